@@ -76,9 +76,11 @@ _modules: dict[str, object] = {}
 
 
 def load_module(cfg: ModelConfig, sources: Iterable[str], extra_defines: dict[str, int | str] | None = None,
-                arch: str = DEFAULT_ARCH, name_expressions: Iterable[str] | None = None):
+                arch: str = DEFAULT_ARCH, name_expressions: Iterable[str] | None = None,
+                cooperative: bool = False):
     """Compile (once per process per source text) and return a ``cupy.RawModule``.
 
+    ``cooperative=True`` makes CuPy launch the module's kernels cooperatively (the megakernel).
     Raises RuntimeError if CuPy or a CUDA device is unavailable (message says so), and CuPy's
     CompileException with the NVRTC log on a compile error.
     """
@@ -88,7 +90,7 @@ def load_module(cfg: ModelConfig, sources: Iterable[str], extra_defines: dict[st
     h = hashlib.sha256(code.encode())
     for p in sorted(KERNEL_DIR.rglob("*.cu*")):
         h.update(p.read_bytes())
-    key = h.hexdigest() + arch
+    key = h.hexdigest() + arch + ("coop" if cooperative else "")
     if key in _modules:
         return _modules[key]
     try:
@@ -100,6 +102,8 @@ def load_module(cfg: ModelConfig, sources: Iterable[str], extra_defines: dict[st
     except Exception as e:
         raise RuntimeError(f"no CUDA device available for compiling {sources}: {e}") from None
     kw = {"options": nvrtc_options(arch), "backend": "nvrtc"}
+    if cooperative:  # kernels of this module are launched with cuLaunchCooperativeKernel
+        kw["enable_cooperative_groups"] = True
     if name_expressions:
         kw["name_expressions"] = tuple(name_expressions)
     mod = cupy.RawModule(code=code, **kw)
