@@ -1,0 +1,146 @@
+// norm.cuh — the three RMSNorm forms of Qwen3.5 as device functions (article Part 3.3; spec §3.1), with the
+// rounding points of the reference ops (assembler/ref/ops.py rmsnorm, rmsnorm_gated):
+//
+//   rstd         var = fp32(Σx² / n) with the sum in float64; rstd = fp32(1 / sqrt(fp64(fp32(var + eps))))
+//   (1+w) form   y = bf16( fp32(f32(x) * rstd) * fp32(1 + f32(w)) )   (HF Qwen3_5RMSNorm; w zero-centred)
+//   per-head     the same math over one head_dim-wide q/k head, one warp per head
+//   gated        n = bf16(f32(x) * rstd); wn = bf16(f32(w) * f32(n)) (plain w);
+//                y = bf16(f32(wn) * silu(f32(z)))   (HF Qwen3_5RMSNormGated, norm before gate; silu in
+//                float64 rounded to fp32, as the reference's silu64)
+//
+// Squares of bf16 values are exact in float64 and their sum is exact for any realistic dynamic range, so the
+// float64 sum makes the statistic independent of the reduction order (and equal to the reference's). The order
+// is fixed anyway: each thread sums i = tid, tid+NT, ... ascending; xor butterfly in the warp (offsets 16..1,
+// every lane ends with the same bits); warp totals added in warp order.
+// Self-contained: no includes; bf16 values are carried as their uint16 bit patterns.
+#pragma once
+
+#ifndef QMK_RMS_EPS
+#error "norm.cuh: QMK_RMS_EPS must be defined (discrete.build.translation_unit defines it)"
+#endif
+
+typedef unsigned short mx_u16;  // a bf16 bit pattern
+typedef unsigned int mx_u32;
+
+// ---------------------------------------------------------------- bf16 bit helpers (distinct names from
+// common.cuh so both headers can be included in one translation unit)
+__device__ __forceinline__ float mx_bf2f(mx_u16 b) { return __uint_as_float(((mx_u32)b) << 16); }
+
+// float -> bf16, round to nearest even; NaN stays NaN (quiet bit set).
+__device__ __forceinline__ mx_u16 mx_f2bf(float f) {
+    mx_u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (mx_u16)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (mx_u16)(u >> 16);
+}
+
+__device__ __forceinline__ float mx_round_bf(float f) { return mx_bf2f(mx_f2bf(f)); }
+
+// fp32(1/sqrt(x)) computed in float64: one rounding, as the reference ops
+__device__ __forceinline__ float mx_rsqrt_rn(float x) { return (float)(1.0 / sqrt((double)x)); }
+
+// silu / sigmoid in float64, rounded to fp32 (reference silu64 / sigmoid64)
+__device__ __forceinline__ float mx_silu(float x) { const double d = x; return (float)(d / (1.0 + exp(-d))); }
+__device__ __forceinline__ float mx_sigmoid(float x) { return (float)(1.0 / (1.0 + exp(-(double)x))); }
+
+// xor-butterfly warp sum: every lane returns the same bits (fp add is commutative)
+__device__ __forceinline__ float mx_warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ __forceinline__ double mx_warp_sum_d(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = __dadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ __forceinline__ float mx_warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// rstd from a float64 sum of squares over n elements: var = fp32(ss / n); fp32(1/sqrt(var + eps))
+__device__ __forceinline__ float mx_rstd(double ss, int n) {
+    return mx_rsqrt_rn(__fadd_rn((float)(ss / (double)n), QMK_RMS_EPS));
+}
+
+// ---------------------------------------------------------------- (1+w) form, block-wide
+// Sum of squares of bf16 x[0..n) over a block of NT threads (NT a multiple of 32, <= 1024).
+// red: shared scratch of NT/32 doubles. Every thread returns the same bits. Contains __syncthreads():
+// call from all threads of the block.
+template <int NT>
+__device__ __forceinline__ double mx_block_sumsq(const mx_u16* __restrict__ x, int n, double* red) {
+    double s = 0.0;
+    for (int i = threadIdx.x; i < n; i += NT) {
+        const double v = mx_bf2f(x[i]);
+        s = __fma_rn(v, v, s);  // v*v is exact: fma == mul + add
+    }
+    s = mx_warp_sum_d(s);
+    __syncthreads();  // red may still be read by a previous call
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = s;
+    __syncthreads();
+    double t = red[0];
+#pragma unroll
+    for (int w = 1; w < NT / 32; ++w) t = __dadd_rn(t, red[w]);
+    return t;
+}
+
+// rstd of one row (block-wide); the GEMV prologue applies mx_norm1pw elementwise with it.
+template <int NT>
+__device__ __forceinline__ float mx_block_rstd(const mx_u16* __restrict__ x, int n, double* red) {
+    return mx_rstd(mx_block_sumsq<NT>(x, n, red), n);
+}
+
+// one element of the (1+w) form, given rstd
+__device__ __forceinline__ mx_u16 mx_norm1pw(mx_u16 x, float rstd, mx_u16 w) {
+    return mx_f2bf(__fmul_rn(__fmul_rn(mx_bf2f(x), rstd), __fadd_rn(1.0f, mx_bf2f(w))));
+}
+
+// Whole (1+w) RMSNorm of M independent rows: x, y [M, n] bf16 with row strides ldx, ldy; w [n] bf16.
+// One block does all rows (rows are independent; result per row does not depend on M).
+template <int NT>
+__device__ void mx_rmsnorm_rows(const mx_u16* __restrict__ x, int ldx, const mx_u16* __restrict__ w,
+                                mx_u16* __restrict__ y, int ldy, int M, int n, double* red) {
+    for (int m = 0; m < M; ++m) {
+        const float rstd = mx_block_rstd<NT>(x + (size_t)m * ldx, n, red);
+        for (int i = threadIdx.x; i < n; i += NT) y[(size_t)m * ldy + i] = mx_norm1pw(x[(size_t)m * ldx + i], rstd, w[i]);
+    }
+}
+
+// ---------------------------------------------------------------- per-head (1+w) form, one warp
+// A head of 32*PER elements; lane l holds elements [l*PER, (l+1)*PER) in v (fp32 of the bf16 inputs).
+// Sum (float64) ascending inside the lane, then the xor butterfly. Writes the bf16 results into out.
+template <int PER>
+__device__ __forceinline__ void mx_head_norm1pw(const float (&v)[PER], const mx_u16* __restrict__ w,
+                                                mx_u16 (&out)[PER]) {
+    const int lane = threadIdx.x & 31;
+    double s = 0.0;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) s = __fma_rn((double)v[i], (double)v[i], s);
+    const float rstd = mx_rstd(mx_warp_sum_d(s), 32 * PER);
+#pragma unroll
+    for (int i = 0; i < PER; ++i)
+        out[i] = mx_f2bf(__fmul_rn(__fmul_rn(v[i], rstd), __fadd_rn(1.0f, mx_bf2f(w[lane * PER + i]))));
+}
+
+// ---------------------------------------------------------------- gated form (GDN output), one warp
+// One value head of 32*PER elements: x (bf16 core output, as fp32), z (bf16 gate, as fp32), plain weight
+// w [32*PER] bf16; lane l owns elements [l*PER, (l+1)*PER). Same sum order as above.
+template <int PER>
+__device__ __forceinline__ void mx_head_norm_gated(const float (&x)[PER], const float (&z)[PER],
+                                                   const mx_u16* __restrict__ w, mx_u16 (&out)[PER]) {
+    const int lane = threadIdx.x & 31;
+    double s = 0.0;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) s = __fma_rn((double)x[i], (double)x[i], s);
+    const float rstd = mx_rstd(mx_warp_sum_d(s), 32 * PER);
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const float n = mx_round_bf(__fmul_rn(x[i], rstd));
+        const float wn = mx_round_bf(__fmul_rn(mx_bf2f(w[lane * PER + i]), n));
+        out[i] = mx_f2bf(__fmul_rn(wn, mx_silu(z[i])));
+    }
+}
