@@ -66,6 +66,8 @@ def include_dirs() -> list[str]:
 
 
 def nvrtc_options(arch: str = DEFAULT_ARCH) -> tuple[str, ...]:
+    """NVRTC flags. CuPy appends ``-ftz=true`` to every compile (fp32 subnormals flush to zero); the offline
+    check (``discrete.compile_check``) passes the same flag so it checks the code that runs."""
     opts = [f"--gpu-architecture={arch}", "--std=c++17", "-lineinfo"]
     for d in include_dirs():
         opts.append(f"-I{d}")

@@ -5,7 +5,7 @@
 Each ``.cu`` file under ``discrete/kernels/`` and ``megakernel/`` (found by glob, so new files are picked up
 automatically) is one translation unit, built by :func:`discrete.build.translation_unit` so that the
 ``QMK_*`` defines of each preset (default: both ``tiny`` and ``qwen3.5-27b``) are applied exactly as at run
-time, then compiled with ``nvcc -cubin -arch=<arch> -std=c++17 -lineinfo -Xptxas -v`` (include dirs
+time, then compiled with ``nvcc -cubin -arch=<arch> -std=c++17 -lineinfo -ftz=true -Xptxas -v`` (include dirs
 ``discrete/kernels``, ``megakernel``, ``megakernel/include`` and the unit's own folder).
 
 Source markers (comments, one per line):
@@ -267,7 +267,8 @@ def compile_unit(unit: Path, preset: str, arch: str, cache_dir: Path | None = CA
     var = _variant(extra or {})
     incs = [str(d) for d in (KERNEL_DIR, ROOT / "megakernel", ROOT / "megakernel" / "include", unit.parent)
             if d.is_dir()]
-    flags = ["-cubin", f"-arch={arch}", "-std=c++17", "-lineinfo", "-Xptxas", "-v"]
+    # -ftz=true: CuPy's NVRTC path always adds it (cupy/cuda/compiler.py), so the checked code is the run code
+    flags = ["-cubin", f"-arch={arch}", "-std=c++17", "-lineinfo", "-ftz=true", "-Xptxas", "-v"]
     key = hashlib.sha256(json.dumps([tu, flags, incs, nvcc_version(nvcc)]).encode()).hexdigest()
     entry = cache_dir / f"{key}.json" if cache_dir else None
     if entry and entry.is_file():

@@ -1,0 +1,131 @@
+"""Launch code for the GEMV family (``kernels/gemv.cu``): fp8 block-scaled or bf16 projections, split-K
+partials, and the fixed-order reduce with the store / residual / swiglu epilogues (docs/INTERFACES.md §2).
+
+Device arrays are CuPy arrays holding bit patterns: bf16 as ``uint16``, fp8 e4m3 as ``uint8``. Launches go to
+the current CuPy stream and allocate nothing (the caller preallocates partials and outputs once), so they can be
+captured into a CUDA graph.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from assembler.numerics import K_BLOCK, MAX_ROWS, ROW_TILE, split_k
+from discrete.build import load_module
+from discrete.partition import BF16_WARPS, FP8_WARPS, gemv_slices
+from loader.config import ModelConfig
+
+SOURCES = ("gemv.cu",)
+EPILOGUES = {"store": 0, "residual": 1, "swiglu": 2}
+NULL = np.uint64(0)  # a null pointer argument
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def check_array(a, name: str, dtype, shape=None, align: int = 16):
+    """Assert a CuPy array's dtype, C-contiguity, 16-byte alignment and (optional) shape; ValueError names it."""
+    import cupy as cp
+    _need(isinstance(a, cp.ndarray), f"{name}: expected a cupy.ndarray, got {type(a).__name__}")
+    _need(a.dtype == np.dtype(dtype), f"{name}: expected dtype {np.dtype(dtype)}, got {a.dtype}")
+    _need(a.flags.c_contiguous, f"{name}: must be C-contiguous")
+    _need(a.data.ptr % align == 0, f"{name}: must be {align}-byte aligned (address {a.data.ptr:#x})")
+    if shape is not None:
+        _need(tuple(a.shape) == tuple(shape), f"{name}: expected shape {tuple(shape)}, got {tuple(a.shape)}")
+
+
+def module(cfg: ModelConfig, defines: dict | None = None):
+    """The compiled gemv.cu module for this config and extra ``QMK_*`` defines (cached per process)."""
+    return load_module(cfg, SOURCES, defines)
+
+
+class Gemv:
+    """One projection ready to launch: y = W·x for M ≤ 8 activation rows, then an epilogue.
+
+    ``w``: fp8 bits uint8 [N, K] with ``scale`` bf16 bits uint16 [ceil(N/128), K/128], or bf16 bits uint16
+    [N, K] with ``scale=None`` (scale 1). N a multiple of 16, K of 128. ``epilogue``: "store" or "residual"
+    (out [M, N]) or "swiglu" (fused [gate; up] weight of 2F rows, out [M, F]). ``split`` defaults to
+    ``split_k(N, K)``. ``defines``: extra compile-time ``QMK_*`` knobs (e.g. QMK_GEMV_STAGES; results do not
+    depend on them). Raises ValueError naming the argument on any contract violation.
+    """
+
+    def __init__(self, cfg: ModelConfig, w, scale=None, *, epilogue: str = "store", split: int | None = None,
+                 name: str = "gemv", defines: dict | None = None):
+        import cupy as cp
+        _need(epilogue in EPILOGUES, f"{name}: epilogue {epilogue!r} not one of {sorted(EPILOGUES)}")
+        _need(getattr(w, "ndim", 0) == 2, f"{name}.weight: expected a 2-D array [N, K]")
+        N, K = (int(v) for v in w.shape)
+        _need(N % ROW_TILE == 0 and N > 0, f"{name}.weight: N={N} must be a positive multiple of {ROW_TILE}")
+        _need(K % K_BLOCK == 0 and K > 0, f"{name}.weight: K={K} must be a positive multiple of {K_BLOCK}")
+        if w.dtype == np.uint8:
+            check_array(w, f"{name}.weight (fp8 bits)", np.uint8)
+            check_array(scale, f"{name}.weight_scale_inv (bf16 bits)", np.uint16, (-(-N // 128), K // 128), align=2)
+            self.fp8 = True
+        else:
+            check_array(w, f"{name}.weight (bf16 bits)", np.uint16)
+            _need(scale is None, f"{name}: a bf16 weight takes no scale")
+            self.fp8 = False
+        _need(epilogue != "swiglu" or N % (2 * ROW_TILE) == 0, f"{name}: swiglu needs 2F rows, F a multiple of 16")
+        self.name, self.w, self.scale, self.N, self.K = name, w, scale, N, K
+        self.epilogue, self.epi = epilogue, np.int32(EPILOGUES[epilogue])
+        self.split = split_k(N, K) if split is None else int(split)
+        sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+        self.slices = cp.asarray(gemv_slices(N, K, self.split, n_blocks=sms))
+        self.threads = 32 * (FP8_WARPS if self.fp8 else BF16_WARPS)
+        self.n_out = N // 2 if epilogue == "swiglu" else N
+        mod = module(cfg, defines)
+        self._partial = mod.get_function("gemv_fp8_partial" if self.fp8 else "gemv_bf16_partial")
+        self._reduce = mod.get_function("gemv_reduce")
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes streamed per call: the weight plus its scales."""
+        return int(self.w.nbytes + (self.scale.nbytes if self.fp8 else 0))
+
+    def partials_size(self, M: int = MAX_ROWS) -> int:
+        """fp32 elements of the partials buffer for M rows: S · M · N."""
+        return self.split * M * self.N
+
+    def partial(self, x, partials):
+        """Launch the split-K GEMV: x uint16 [M, K] → view of ``partials`` (flat fp32, ≥ S·M·N) as [S, M, N]."""
+        check_array(x, f"{self.name}: x (bf16 bits)", np.uint16)
+        _need(x.ndim == 2 and x.shape[1] == self.K and 1 <= x.shape[0] <= MAX_ROWS,
+              f"{self.name}: x must be [M, {self.K}] with 1 ≤ M ≤ {MAX_ROWS}, got {tuple(x.shape)}")
+        M = int(x.shape[0])
+        P = self._partials_view(partials, M)
+        n = np.int32
+        if self.fp8:
+            args = (self.w, self.scale, x, n(M), n(self.N), n(self.K), n(self.split), self.slices, P)
+        else:
+            args = (self.w, x, n(M), n(self.N), n(self.K), n(self.split), self.slices, P)
+        self._partial((len(self.slices),), (self.threads,), args)
+        return P
+
+    def reduce(self, P, out, residual=None):
+        """Launch the fixed-order reduce + epilogue: P fp32 [S, M, N] → out uint16 [M, n_out] (bf16 bits).
+        ``residual`` uint16 [M, N] for the residual epilogue (may be ``out`` itself)."""
+        check_array(P, f"{self.name}: partials", np.float32)
+        _need(P.ndim == 3 and P.shape[0] == self.split and P.shape[2] == self.N,
+              f"{self.name}: partials must be [{self.split}, M, {self.N}], got {tuple(P.shape)}")
+        M = int(P.shape[1])
+        check_array(out, f"{self.name}: out (bf16 bits)", np.uint16, (M, self.n_out), align=4)
+        if self.epilogue == "residual":
+            check_array(residual, f"{self.name}: residual (bf16 bits)", np.uint16, (M, self.N), align=4)
+        else:
+            _need(residual is None, f"{self.name}: residual given for epilogue {self.epilogue!r}")
+        total = M * self.n_out
+        n = np.int32
+        self._reduce(((total + 255) // 256,), (256,),
+                     (P, n(self.split), n(M), n(self.N), self.epi, residual if residual is not None else NULL, out))
+        return out
+
+    def __call__(self, x, out, partials, residual=None):
+        """partial + reduce. Returns ``out``."""
+        return self.reduce(self.partial(x, partials), out, residual)
+
+    def _partials_view(self, partials, M: int):
+        check_array(partials, f"{self.name}: partials buffer", np.float32)
+        need = self.partials_size(M)
+        _need(partials.size >= need, f"{self.name}: partials buffer has {partials.size} floats, needs {need}")
+        return partials.reshape(-1)[:need].reshape(self.split, M, self.N)
