@@ -1,0 +1,73 @@
+"""``qwen-mk chat``: an interactive conversation that keeps one session between turns.
+
+Each turn renders the whole conversation with the chat template; the session reuses what its state already
+holds and runs only the rest (``host.session``). Ctrl-C during a reply interrupts it, drops that turn and keeps
+the session usable; Ctrl-C or EOF at the prompt ends the chat. ``/reset`` clears the conversation,
+``/exit`` quits.
+"""
+from __future__ import annotations
+
+import click
+
+from host.commands.generate import (check_model_args, gen_kwargs, handle_errors, load_engine, model_options,
+                                   sampling_options, timing_line)
+from host.errors import GenerationInterrupted
+
+
+def assistant_message(engine, ids: list[int], text: str, thinking: bool) -> dict:
+    """The assistant turn to keep in the history. With thinking on, the reasoning (up to id 248069
+    ``</think>``, split by ``loader.toolcall.split_reasoning``) goes to ``reasoning_content`` so the template
+    can drop it from earlier turns as the real one does."""
+    from loader.toolcall import split_reasoning
+
+    if not thinking:
+        return {"role": "assistant", "content": text.strip()}
+    reasoning, content, _complete = split_reasoning(ids, engine.tokenizer)
+    msg = {"role": "assistant", "content": content.strip()}
+    if reasoning.strip():
+        msg["reasoning_content"] = reasoning.strip()
+    return msg
+
+
+@click.command()
+@model_options
+@sampling_options
+@click.option("--system", default=None, help="System message.")
+@click.option("--timings/--no-timings", default=True, show_default=True, help="Timing line after each reply.")
+@handle_errors
+def command(system, timings, **kw):
+    """Chat interactively (keeps the session between turns)."""
+    check_model_args(kw)
+    eng = load_engine(kw)
+    sess = eng.new_session()
+    base = [{"role": "system", "content": system}] if system else []
+    messages = list(base)
+    click.echo("qwen-mk chat: /reset clears the conversation, /exit quits, Ctrl-C interrupts a reply.", err=True)
+    while True:
+        try:
+            line = click.prompt(">>>", prompt_suffix=" ", default="", show_default=False)
+        except (EOFError, KeyboardInterrupt, click.Abort):
+            click.echo("", err=True)
+            return
+        if line.strip() in ("/exit", "/quit"):
+            return
+        if line.strip() == "/reset":
+            messages = list(base)
+            click.echo("[conversation cleared]", err=True)
+            continue
+        if not line.strip():
+            continue
+        turn = messages + [{"role": "user", "content": line}]
+        g = sess.chat(turn, enable_thinking=not kw["no_think"], **gen_kwargs(kw))
+        try:
+            for d in g:
+                click.echo(d.text, nl=False)
+            r = g.result()
+        except (GenerationInterrupted, KeyboardInterrupt):
+            g.close()
+            click.echo("\n[interrupted: turn dropped, session kept]", err=True)
+            continue
+        click.echo("")
+        if timings:
+            click.echo(timing_line(r), err=True)
+        messages = turn + [assistant_message(eng, r.ids, r.text, not kw["no_think"])]

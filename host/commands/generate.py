@@ -1,0 +1,137 @@
+"""``qwen-mk generate [PROMPT]``: one prompt in (argument or stdin), streamed text out, timings on stderr.
+
+Also holds the option set and error handling that ``chat`` shares. Exit codes: 0 ok; ``EngineError.exit_code``
+of the error raised (2 bad argument, 3 empty prompt, 4 too long, 5 bad token id, 6 model, 7 executor,
+130 interrupted); click's own 2 for usage errors.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import sys
+
+import click
+
+from host.errors import EngineError, GenerationInterrupted
+from host.executors import KINDS
+from loader.config import PRESETS
+
+
+def model_options(f):
+    """--model/--preset/--executor/--capacity, shared by generate and chat."""
+    f = click.option("--capacity", type=int, default=4096, show_default=True,
+                     help="Tokens per session (KV cache rows).")(f)
+    f = click.option("--executor", type=click.Choice(KINDS), default=None,
+                     help="Default: megakernel when a GPU is present, else cpu.")(f)
+    f = click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None,
+                     help="Synthetic checkpoint of a preset (default tiny when --model is absent).")(f)
+    f = click.option("--model", "model_dir", type=click.Path(file_okay=False), default=None,
+                     help="Checkpoint directory.")(f)
+    return f
+
+
+def sampling_options(f):
+    """Sampling and stopping options, shared by generate and chat."""
+    for opt in reversed([
+        click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True),
+        click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
+        click.option("--top-k", type=int, default=None, help="Keep the k most likely (ties kept); 0 = off."),
+        click.option("--top-p", type=float, default=None, help="Nucleus mass in (0, 1]."),
+        click.option("--seed", type=int, default=None, help="Sampling seed (printed when drawn)."),
+        click.option("--stop", multiple=True, help="Stop string (repeatable); not emitted."),
+        click.option("--no-think", is_flag=True, help="Render the prompt with enable_thinking=False."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def gen_kwargs(kw: dict) -> dict:
+    return dict(max_new_tokens=kw["max_new_tokens"], temperature=kw["temperature"], top_k=kw["top_k"],
+                top_p=kw["top_p"], seed=kw["seed"], stop=list(kw["stop"]))
+
+
+def check_model_args(kw: dict) -> None:
+    """UsageError for --model together with --preset."""
+    if kw["model_dir"] and kw["preset"]:
+        raise click.UsageError("give --model DIR or --preset NAME, not both")
+
+
+def load_engine(kw: dict):
+    """Engine for the CLI options (raises EngineError subclasses)."""
+    from host.engine import Engine
+
+    return Engine.load(kw["model_dir"] or kw["preset"], kw["executor"], capacity=kw["capacity"])
+
+
+def handle_errors(f):
+    """Turn EngineError into 'error: ...' on stderr and its exit code; Ctrl-C into exit 130."""
+    @functools.wraps(f)
+    def wrapper(*a, **kw):
+        try:
+            return f(*a, **kw)
+        except EngineError as e:
+            click.echo(f"\nerror: {e}", err=True)
+            sys.exit(e.exit_code)
+        except KeyboardInterrupt:
+            click.echo("\nerror: interrupted", err=True)
+            sys.exit(GenerationInterrupted.exit_code)
+    return wrapper
+
+
+def timing_line(r) -> str:
+    """One line summarising a GenerationResult's timings (measured wall clock, time.perf_counter)."""
+    t = r.timings
+    pre = f"prefill {t.prefilled_tokens} tok in {t.prefill_ms:.1f} ms"
+    if t.prefilled_tokens and t.prefill_ms > 0:
+        pre += f" ({t.prefilled_tokens / t.prefill_ms * 1e3:.1f} tok/s)"
+    if t.reused_tokens:
+        pre += f", {t.reused_tokens} reused"
+    dec = f"decode {t.generated_tokens} tok"
+    if t.decode_tokens_per_s:
+        dec += f" at {t.decode_tokens_per_s:.2f} tok/s ({1e3 / t.decode_tokens_per_s:.1f} ms/tok)"
+    seed = f" | seed {r.seed}" if r.sampling.get("temperature") else ""
+    return (f"[{pre} | ttft {t.ttft_ms:.1f} ms | {dec} | {t.tokens_per_step:.2f} tok/step | "
+            f"finish {r.finish_reason}{seed} | {r.executor_detail}]")
+
+
+def read_prompt(prompt: str | None) -> str:
+    if prompt is not None:
+        return prompt
+    stdin = sys.stdin
+    if stdin.isatty():
+        raise click.UsageError("no prompt: give PROMPT as an argument or pipe it on stdin")
+    return stdin.read()
+
+
+@click.command()
+@click.argument("prompt", required=False)
+@model_options
+@sampling_options
+@click.option("--raw", is_flag=True, help="Tokenise PROMPT as is, without the chat template.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, ids, finish_reason, timings).")
+@handle_errors
+def command(prompt, raw, as_json, **kw):
+    """Generate a reply to PROMPT (or stdin) and stream it."""
+    from host.errors import EmptyPrompt
+
+    check_model_args(kw)
+    text = read_prompt(prompt)
+    if not text.strip():
+        raise EmptyPrompt("the prompt is empty")
+    eng = load_engine(kw)
+    if raw:
+        g = eng.generate(eng.tokenizer.encode(text), **gen_kwargs(kw))
+    else:
+        g = eng.chat([{"role": "user", "content": text}], enable_thinking=not kw["no_think"], **gen_kwargs(kw))
+    if as_json:
+        r = g.result()
+        click.echo(json.dumps(r.to_json(), ensure_ascii=False))
+        return
+    out = sys.stdout
+    for d in g:
+        if d.text:
+            out.write(d.text)
+            out.flush()
+    r = g.result()
+    out.write("\n")
+    click.echo(timing_line(r), err=True)

@@ -1,0 +1,153 @@
+"""The Python API: ``Engine.load(...)`` then ``engine.chat(messages)`` / ``engine.generate(ids)`` or sessions.
+
+    eng = Engine.load()                      # tiny synthetic checkpoint, CPU when there is no GPU
+    for d in eng.chat([{"role": "user", "content": "Hi"}], max_new_tokens=8):
+        print(d.text, end="")
+    s = eng.new_session()                    # keeps the conversation's state between turns
+    r = s.chat(messages, max_new_tokens=64).result()
+
+``chat`` and ``generate`` on the engine run in a fresh session each call (nothing kept); a ``Session``
+keeps state and processes only what a new turn appends (``host.session``).
+"""
+from __future__ import annotations
+
+import sys
+import weakref
+from pathlib import Path
+from typing import Sequence
+
+from host.errors import EmptyPrompt, EngineError, InvalidArgument, ModelLoadError
+from host.executors import Executor, check_kind, default_kind, make_executor
+from host.session import Generation, Session
+from loader.config import PRESETS, ConfigError, ModelConfig
+
+DEFAULT_CAPACITY = 4096  # tokens per session slot unless the caller asks otherwise
+DEFAULT_SLOTS = 4
+
+
+def _resolve_model(path_or_preset: str | Path | None, seed: int, quiet: bool) -> Path:
+    """Checkpoint directory for a path or a preset name (synthetic, generated on first use into the cache)."""
+    if path_or_preset is None:
+        path_or_preset = "tiny"
+    p = Path(path_or_preset)
+    if str(path_or_preset) in PRESETS and not p.is_dir():
+        name = str(path_or_preset)
+        if name != "tiny":
+            raise ModelLoadError(
+                f"preset {name!r}: no synthetic checkpoint is generated on first use for this preset (it is "
+                f"~{PRESETS[name].weight_bytes_per_token / 1e9:.0f} GB); write one with `qwen-mk make-checkpoint "
+                f"--preset {name} --out DIR` and pass --model DIR")
+        from loader.synthetic import ensure_checkpoint
+
+        d = Path(ensure_checkpoint(name, seed=seed))
+        if not quiet:
+            print(f"qwen-mk: preset {name!r} uses SYNTHETIC random weights (seed {seed}, {d}): the text is "
+                  "meaningless by design", file=sys.stderr)
+        return d
+    if not p.is_dir():
+        raise ModelLoadError(f"model {str(path_or_preset)!r}: not a directory and not a preset "
+                             f"(presets: {', '.join(sorted(PRESETS))})")
+    return p
+
+
+class Engine:
+    """A loaded model: config, weights, tokenizer, chat template and one executor with session slots.
+
+    Build with :meth:`load`. Attributes: ``cfg`` (ModelConfig), ``model_dir``, ``tokenizer``, ``template``,
+    ``executor``.
+    """
+
+    def __init__(self, cfg: ModelConfig, model_dir: Path, weights, tokenizer, template, executor: Executor):
+        self.cfg, self.model_dir, self.weights = cfg, model_dir, weights
+        self.tokenizer, self.template, self.executor = tokenizer, template, executor
+        self._free = list(range(executor.slots))
+
+    @classmethod
+    def load(cls, path_or_preset: str | Path | None = None, executor: str | None = None, *,
+             capacity: int = DEFAULT_CAPACITY, slots: int = DEFAULT_SLOTS, seed: int = 0,
+             quiet: bool = False) -> "Engine":
+        """Open a checkpoint directory or a preset (``tiny``; no argument = tiny) and start an executor.
+
+        ``executor``: ``megakernel`` | ``graph`` | ``cpu``; None = megakernel when a GPU is present, else cpu.
+        ``capacity``: tokens per session slot. ``seed``: of the synthetic weights of a preset.
+        Raises ModelLoadError (bad directory, failed validation), ExecutorUnavailable, InvalidArgument.
+        """
+        kind = executor or default_kind()
+        check_kind(kind)  # before reading any weights
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise InvalidArgument(f"capacity: expected a positive integer, got {capacity!r}")
+        model_dir = _resolve_model(path_or_preset, seed, quiet)
+        from loader.chat_template import ChatTemplate
+        from loader.checkpoint import Checkpoint, CheckpointError
+        from loader.tokenizer import Tokenizer, TokenizerError
+
+        try:
+            weights = Checkpoint.open(model_dir)
+            tokenizer = Tokenizer.from_checkpoint(model_dir)
+            template = ChatTemplate.from_checkpoint(model_dir)
+        except (CheckpointError, ConfigError, TokenizerError, FileNotFoundError, OSError, ValueError) as e:
+            raise ModelLoadError(f"model directory {model_dir}: {e}") from e
+        ex = make_executor(kind, weights, capacity, slots)
+        return cls(weights.config, model_dir, weights, tokenizer, template, ex)
+
+    # ------------------------------------------------------------------ sessions
+    def new_session(self) -> Session:
+        """A session in a free executor slot. Raises EngineError when every slot is taken."""
+        if not self._free:
+            raise EngineError(f"all {self.executor.slots} session slots are in use; close() a session first")
+        return Session(self, self._free.pop(0))
+
+    def _release_slot(self, slot: int) -> None:
+        if slot not in self._free:
+            self._free.append(slot)
+
+    def new_detok(self):
+        from loader.detok import StreamDetokenizer
+
+        return StreamDetokenizer(self.tokenizer)
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    enable_thinking: bool = True) -> list[int]:
+        """Prompt ids of a conversation through the checkpoint's chat template (generation prompt added).
+        Raises EmptyPrompt for no messages, InvalidArgument for a malformed conversation."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise EmptyPrompt("chat: messages is empty; expected a list of {'role': ..., 'content': ...}")
+        try:
+            text = self.template.render(list(messages), tools=tools, add_generation_prompt=True,
+                                        enable_thinking=enable_thinking)
+        except EngineError:
+            raise
+        except Exception as e:  # the template layer names the message at fault
+            raise InvalidArgument(f"chat: cannot render the conversation: {e}") from e
+        return self.tokenizer.encode(text)
+
+    # ------------------------------------------------------------------ one-shot calls (fresh state)
+    def generate(self, prompt_ids: Sequence[int], **kw) -> Generation:
+        """Generate from ``prompt_ids`` in a fresh session (see ``Session.generate`` for the arguments)."""
+        return self._oneshot(lambda s: s.generate(prompt_ids, **kw))
+
+    def chat(self, messages: list[dict], tools: list[dict] | None = None, enable_thinking: bool = True,
+             **kw) -> Generation:
+        """Render ``messages`` with the chat template and generate in a fresh session (``Session.generate`` args:
+        max_new_tokens, temperature, top_k, top_p, seed, stop, stop_ids)."""
+        return self._oneshot(lambda s: s.chat(messages, tools=tools, enable_thinking=enable_thinking, **kw))
+
+    def _oneshot(self, start) -> Generation:
+        s = self.new_session()
+        try:
+            g = start(s)
+        except BaseException:
+            s.close()
+            raise
+        inner = g._it
+
+        def body(outer: Generation):
+            try:
+                yield from inner
+                outer._result = g._result
+            finally:
+                s.close()
+
+        out = Generation(body)
+        weakref.finalize(out, s.close)  # a generation dropped before it is iterated still frees its slot
+        return out

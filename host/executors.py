@@ -1,0 +1,257 @@
+"""Executors: what runs the model for the host loop (STYLE.md habit 13: one host loop, swappable executors).
+
+An executor holds the state of session slots (KV cache, conv and recurrent state) and runs tokens through
+the model for the selected slot. The host loop (``host.session``) only ever calls this interface:
+
+    reset(slot)            empty state in ``slot`` and select it (slots are pre-allocated: no allocation)
+    prefill(ids)           run ids [T] at the current position -> StepOutput of the last row
+    step(token)            run one token -> StepOutput
+    state_snapshot()       opaque copy of the selected slot's state (recurrent + conv + position)
+    state_restore(snap)    put a snapshot back (KV rows below its position are never overwritten after it)
+    position, capacity, slots, name, detail
+
+``StepOutput.logits`` is the last row's logits [V] bf16 (``None`` when the executor chose the token on the
+device); ``StepOutput.token`` is the device's greedy choice with the padding rows excluded (``None`` when the
+executor returns logits only). The CPU executor returns logits; the GPU executors fuse argmax/top-k into the
+lm_head and return a token (plus logits or top-k when sampling asks for them).
+"""
+from __future__ import annotations
+
+import copy
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from host.errors import ExecutorUnavailable
+from loader.config import ModelConfig
+
+KINDS = ("megakernel", "graph", "cpu")
+# The CPU path is NumPy: fine for the tiny preset, hopeless for 27 GB of weights per token.
+CPU_MAX_WEIGHT_BYTES = 2 << 30
+
+
+@dataclass
+class StepOutput:
+    """Result of one prefill or step: ``logits`` [V] bf16 of the last row and/or a device-chosen ``token``."""
+
+    logits: np.ndarray | None = None
+    token: int | None = None
+
+
+class Executor(ABC):
+    """Interface the host loop drives; see the module docstring."""
+
+    name: str = "?"
+    detail: str = ""
+    capacity: int = 0
+    slots: int = 1
+
+    @abstractmethod
+    def reset(self, slot: int = 0) -> None: ...
+
+    @abstractmethod
+    def select(self, slot: int) -> None: ...
+
+    @abstractmethod
+    def prefill(self, ids: Sequence[int]) -> StepOutput: ...
+
+    @abstractmethod
+    def step(self, token: int) -> StepOutput: ...
+
+    @abstractmethod
+    def state_snapshot(self) -> Any: ...
+
+    @abstractmethod
+    def state_restore(self, snap: Any) -> None: ...
+
+    @property
+    @abstractmethod
+    def position(self) -> int: ...
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"{self.name} executor: slot {slot} out of range [0, {self.slots})")
+
+
+def gpu_available() -> tuple[bool, str]:
+    """(True, device name) when CuPy sees a CUDA device, else (False, the reason)."""
+    try:
+        import cupy  # noqa: F401  (host may import CuPy; loader/assembler never do)
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # no CuPy, no driver, no device: all mean "no GPU here"
+        return False, f"CuPy cannot reach a CUDA device ({type(e).__name__}: {str(e).strip()[:120]})"
+    if n < 1:
+        return False, "CuPy reports 0 CUDA devices"
+    try:
+        name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+        name = name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:
+        name = "CUDA device 0"
+    return True, name
+
+
+def default_kind() -> str:
+    """``megakernel`` when a GPU is present, else ``cpu``."""
+    return "megakernel" if gpu_available()[0] else "cpu"
+
+
+class CpuExecutor(Executor):
+    """Runs the model on the CPU with the NumPy reference (``assembler.ref.model.ReferenceModel``).
+
+    Prefill: the reference's chunked prefill (GDN chunks of 64 anchored at the call's first token).
+    Decode (``decode="vm"``, the default): the assembled decode program run by the CPU VM
+    (``assembler.pyvm.VM.run_step``, scheduled for ``vm_sms`` SMs; the SM count changes the slicing, never the
+    bits), which equals the reference decode bit for bit; ``decode="reference"`` calls
+    ``ReferenceModel.decode`` instead. ``detail`` names the path taken. The VM widens every weight to float64
+    once (about 0.5 GB for tiny, derived: lm_head 248,320 × 256 × 8 B), in a throwaway step at construction,
+    so it never lands in a generation's timings. Slots are independent ``ModelState`` objects of ``capacity`` tokens.
+    Raises ExecutorUnavailable for a model whose weights are too large for NumPy
+    (> CPU_MAX_WEIGHT_BYTES streamed per token).
+    """
+
+    name = "cpu"
+
+    def __init__(self, weights, capacity: int, slots: int = 4, decode: str = "vm", vm_sms: int = 1):
+        from assembler.ref.model import ReferenceModel
+
+        cfg: ModelConfig = weights.config
+        if cfg.weight_bytes_per_token > CPU_MAX_WEIGHT_BYTES:
+            raise ExecutorUnavailable(
+                f"cpu executor: model {cfg.name!r} streams {cfg.weight_bytes_per_token / 2**30:.1f} GiB of weights "
+                f"per token; the NumPy path is meant for the tiny preset (limit {CPU_MAX_WEIGHT_BYTES >> 30} GiB). "
+                "Use --executor megakernel or graph on a GPU.")
+        self.cfg = cfg
+        self.capacity = int(capacity)
+        self.slots = int(slots)
+        self.model = ReferenceModel(weights)
+        self._states: list[Any] = [None] * self.slots
+        self._cur = 0
+        if decode not in ("vm", "reference"):
+            raise ValueError(f"cpu executor: decode must be 'vm' or 'reference', got {decode!r}")
+        self.vm = None
+        if decode == "vm":
+            from assembler.graph import decode_graph
+            from assembler.pyvm import VM
+            from assembler.scheduler import schedule
+
+            self.vm = VM(schedule(decode_graph(cfg), vm_sms), weights)
+            # One throwaway step now: the VM widens weights on first use, which would land in the first decode.
+            self.vm.run_step(self.model.new_state(1), [0])
+            step = f"CPU VM decode program ({vm_sms} SM)"
+        else:
+            step = "reference decode step"
+        self.detail = f"cpu: NumPy reference prefill (chunked GDN, chunk 64) + {step}"
+
+    def reset(self, slot: int = 0) -> None:
+        self._check_slot(slot)
+        self._states[slot] = self.model.new_state(self.capacity)
+        self._cur = slot
+
+    def select(self, slot: int) -> None:
+        self._check_slot(slot)
+        self._cur = slot
+
+    @property
+    def _state(self):
+        st = self._states[self._cur]
+        if st is None:
+            raise RuntimeError(f"cpu executor: slot {self._cur} used before reset()")
+        return st
+
+    @property
+    def position(self) -> int:
+        return int(self._state.pos)
+
+    def prefill(self, ids: Sequence[int]) -> StepOutput:
+        ids = np.asarray(ids, dtype=np.int64)
+        logits = self.model.prefill(self._state, ids, logit_rows=[len(ids) - 1])  # lm_head on the last row only
+        return StepOutput(logits=np.asarray(logits)[-1])
+
+    def step(self, token: int) -> StepOutput:
+        if self.vm is not None:  # the VM's own argmax does not exclude padding ids: the host picks from logits
+            logits, _ = self.vm.run_step(self._state, [int(token)])
+        else:
+            logits = self.model.decode(self._state, np.asarray([int(token)], dtype=np.int64))
+        logits = np.asarray(logits)
+        return StepOutput(logits=logits.reshape(-1, logits.shape[-1])[-1])
+
+    def state_snapshot(self) -> Any:
+        """GDN conv + recurrent state and the position; KV rows below the position are never rewritten later,
+        so they are not copied."""
+        st = self._state
+        return {"pos": st.pos, "conv": copy.deepcopy(st.conv), "rec": copy.deepcopy(st.rec)}
+
+    def state_restore(self, snap: Any) -> None:
+        st = self._state
+        st.pos, st.conv, st.rec = snap["pos"], copy.deepcopy(snap["conv"]), copy.deepcopy(snap["rec"])
+        st.hidden = None
+
+
+def check_kind(kind: str) -> None:
+    """Cheap check before any weights are read: the kind exists and, for GPU kinds, a device is present.
+    Raises ExecutorUnavailable."""
+    if kind not in KINDS:
+        raise ExecutorUnavailable(f"unknown executor {kind!r}; expected one of {', '.join(KINDS)}")
+    if kind != "cpu":
+        ok, why = gpu_available()
+        if not ok:
+            raise ExecutorUnavailable(
+                f"{kind} executor needs an NVIDIA GPU: {why}. Use --executor cpu (tiny preset) instead.")
+
+
+class _GpuExecutor(Executor):
+    """Common start-up of the GPU executors: refuse clearly when there is no device or no build."""
+
+    module = ""
+
+    def __init__(self, weights, capacity: int, slots: int = 4):
+        check_kind(self.name)
+        why = gpu_available()[1]
+        raise ExecutorUnavailable(
+            f"{self.name} executor is not built yet ({self.module} is integrated later); found {why}. "
+            "Use --executor cpu for now.")
+
+    def reset(self, slot: int = 0) -> None:  # pragma: no cover - unreachable until built
+        raise NotImplementedError
+
+    def select(self, slot: int) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    def prefill(self, ids):  # pragma: no cover
+        raise NotImplementedError
+
+    def step(self, token):  # pragma: no cover
+        raise NotImplementedError
+
+    def state_snapshot(self):  # pragma: no cover
+        raise NotImplementedError
+
+    def state_restore(self, snap):  # pragma: no cover
+        raise NotImplementedError
+
+    @property
+    def position(self) -> int:  # pragma: no cover
+        raise NotImplementedError
+
+
+class GraphExecutor(_GpuExecutor):
+    """Discrete kernels replayed as one CUDA graph per step (``discrete/``)."""
+
+    name = "graph"
+    module = "discrete's graph runtime"
+
+
+class MegakernelExecutor(_GpuExecutor):
+    """The persistent cooperative kernel running the assembled program (``megakernel/``)."""
+
+    name = "megakernel"
+    module = "megakernel's runtime"
+
+
+def make_executor(kind: str, weights, capacity: int, slots: int = 4) -> Executor:
+    """Build the executor ``kind`` (one of KINDS) for ``weights`` (a WeightSource). Raises ExecutorUnavailable."""
+    table = {"cpu": CpuExecutor, "graph": GraphExecutor, "megakernel": MegakernelExecutor}
+    check_kind(kind)
+    return table[kind](weights, capacity, slots)

@@ -1,0 +1,361 @@
+"""Sessions and the decode loop: one host loop over any executor (``host.executors``).
+
+A :class:`Session` owns one executor slot and the token ids whose effect is in that slot's state. A new turn
+passes the whole prompt (all ids of the conversation so far): the session reuses the longest common prefix
+and runs only the rest. GDN state cannot be rewound (article Part 3.6), so when the prompt diverges from
+the session's ids (e.g. the template drops an earlier turn's reasoning) the session restores the latest
+state checkpoint at or before the divergence and re-runs from there, or starts from scratch when there is
+none. Checkpoints are taken at positions that are multiples of 64 (article Part 5.4): prefill pieces start
+at those positions, so the chunks of the reference's chunked GDN prefill fall where a single pass from the
+checkpoint would put them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from host.errors import EmptyPrompt, EngineError, GenerationInterrupted, InvalidArgument, InvalidTokenId, PromptTooLong
+from host.executors import Executor, StepOutput
+from host.sampling import Sampler, SamplingParams
+from loader.config import FIRST_PADDING_ID, IM_START_ID
+
+CKPT_ALIGN = 64        # GDN prefill chunk: state checkpoints sit on multiples of it (article Part 5.4)
+PREFILL_PIECE = 256    # longest prefill call (a multiple of CKPT_ALIGN): bounds the [T, V] logits the CPU path makes
+MAX_CHECKPOINTS = 8    # state snapshots kept per session (the newest)
+
+
+@dataclass
+class Delta:
+    """One streamed piece: ``text`` (complete UTF-8 characters, possibly empty while held back for a stop
+    string), the generated ``ids`` it accounts for, and ``finish_reason`` on the last delta
+    (``stop`` = a stop token, ``stop_string``, ``length`` = max_new_tokens, ``capacity`` = session full)."""
+
+    text: str
+    ids: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass
+class Timings:
+    """Wall-clock times in milliseconds (``time.perf_counter``) and token counts of one generation."""
+
+    prefill_ms: float = 0.0          # syncing the session to the prompt (restores + prefill calls)
+    ttft_ms: float = 0.0             # call start -> first token chosen
+    decode_ms: float = 0.0           # first token -> last token
+    decode_tokens_per_s: float | None = None  # (generated - 1) / decode time; None with < 2 tokens
+    tokens_per_step: float = 0.0     # generated tokens per model pass (1.0 without speculation)
+    prompt_tokens: int = 0
+    reused_tokens: int = 0           # prompt tokens already in the session's state
+    prefilled_tokens: int = 0        # tokens run through prefill (re-runs from a checkpoint included)
+    generated_tokens: int = 0
+    steps: int = 0                   # executor.step calls
+
+
+@dataclass
+class GenerationResult:
+    """Final result: text (stop strings/tokens excluded), generated ids (a stop token included), timings."""
+
+    text: str
+    ids: list[int]
+    finish_reason: str
+    timings: Timings
+    executor: str
+    executor_detail: str
+    seed: int
+    sampling: dict = field(default_factory=dict)
+    session_note: str = ""
+    prompt_ids: list[int] = field(default_factory=list, repr=False)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.pop("prompt_ids")
+        return d
+
+
+class Generation:
+    """Iterator of :class:`Delta`; ``result()`` drains it and returns the :class:`GenerationResult`."""
+
+    def __init__(self, body: Callable[["Generation"], Iterator[Delta]]):
+        self._result: GenerationResult | None = None
+        self._it = body(self)
+
+    def __iter__(self) -> "Generation":
+        return self
+
+    def __next__(self) -> Delta:
+        return next(self._it)
+
+    def close(self) -> None:
+        self._it.close()
+
+    def result(self) -> GenerationResult:
+        for _ in self._it:
+            pass
+        if self._result is None:
+            raise EngineError("generation was closed before it finished")
+        return self._result
+
+
+def validate_ids(ids: Sequence[int], vocab_size: int, what: str = "prompt", allow_empty: bool = False) -> list[int]:
+    """ids as a list of ints; raises EmptyPrompt (unless allow_empty), or InvalidTokenId naming the first bad
+    index and id."""
+    out = []
+    for i, t in enumerate(ids):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise InvalidTokenId(f"{what}[{i}] = {t!r}: expected an integer token id")
+        t = int(t)
+        if not 0 <= t < vocab_size:
+            raise InvalidTokenId(f"{what}[{i}] = {t}: outside the vocabulary [0, {vocab_size})")
+        if t >= FIRST_PADDING_ID:
+            raise InvalidTokenId(f"{what}[{i}] = {t}: a padding id ({FIRST_PADDING_ID}..{vocab_size - 1}), "
+                                 "never a real token")
+        out.append(t)
+    if not out and not allow_empty:
+        raise EmptyPrompt(f"{what} is empty: nothing to condition on")
+    return out
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n
+
+
+class _StopMatcher:
+    """Finds user stop strings in the streamed text; holds back any tail that could start one."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops]
+        self.text = ""
+        self.emitted = 0
+
+    def feed(self, t: str) -> tuple[str, bool]:
+        """Append ``t``; return (text now safe to emit, whether a stop string was found)."""
+        self.text += t
+        hits = [j for j in (self.text.find(s, self.emitted) for s in self.stops) if j >= 0]
+        if hits:
+            j = min(hits)
+            self.text = self.text[:j]
+            out, self.emitted = self.text[self.emitted:], j
+            return out, True
+        hold = 0
+        for s in self.stops:  # longest proper prefix of a stop string ending the text
+            for k in range(min(len(s) - 1, len(self.text) - self.emitted), hold, -1):
+                if self.text.endswith(s[:k]):
+                    hold = k
+                    break
+        end = len(self.text) - hold
+        out, self.emitted = self.text[self.emitted:end], end
+        return out, False
+
+    def flush(self) -> str:
+        out, self.emitted = self.text[self.emitted:], len(self.text)
+        return out
+
+
+class Session:
+    """A conversation's state resident in one executor slot between turns.
+
+    ``generate(prompt_ids, ...)`` takes the whole prompt each turn (not a suffix). ``ids`` are the tokens whose
+    effect is in the state; ``checkpoints`` are (position, snapshot) pairs, the newest MAX_CHECKPOINTS: the last
+    multiple of 64 each prefill reaches, and the generation-prompt start of each chat turn. Create through
+    ``Engine.new_session()``; ``close()`` returns the slot.
+    """
+
+    def __init__(self, engine, slot: int):
+        self.engine, self.slot = engine, slot
+        self.ids: list[int] = []
+        self.checkpoints: list[tuple[int, object]] = []
+        self._last: StepOutput | None = None  # output of the last processed token (valid when ids non-empty)
+        self._busy = False                     # a generation of this session is under way
+        self._ex().reset(slot)
+
+    def _ex(self) -> Executor:
+        ex = self.engine.executor
+        ex.select(self.slot)
+        return ex
+
+    @property
+    def capacity(self) -> int:
+        return min(self.engine.executor.capacity, self.engine.cfg.max_position_embeddings)
+
+    def close(self) -> None:
+        self.engine._release_slot(self.slot)
+
+    # ------------------------------------------------------------------ state bookkeeping
+    def _rewind(self, pos: int) -> int:
+        """Put the state back to the newest checkpoint at or before ``pos``; returns its position."""
+        ex = self._ex()
+        self.checkpoints = [(p, s) for p, s in self.checkpoints if p <= pos]
+        if self.checkpoints:
+            p, snap = self.checkpoints[-1]
+            ex.state_restore(snap)
+        else:
+            p = 0
+            ex.reset(self.slot)
+        self.ids = self.ids[:p]
+        self._last = None
+        return p
+
+    def _prefill(self, new: list[int], marks: Sequence[int] = ()) -> int:
+        """Run ``new`` after ``self.ids`` in pieces that start on multiples of 64 (after a first piece up to the
+        next one) and are at most PREFILL_PIECE long; snapshot the state at the last multiple of 64 reached and
+        at each position in ``marks`` (turn starts: a restart there is valid, though chunks are then anchored
+        off the 64 grid). Returns the number of tokens run."""
+        ex = self._ex()
+        start, end = len(self.ids), len(self.ids) + len(new)
+        last_b = end // CKPT_ALIGN * CKPT_ALIGN
+        stops = sorted({m for m in marks if start < m < end} | ({last_b} if last_b > start else set()))
+        while len(self.ids) < end:
+            p = len(self.ids)
+            nxt = -(-p // CKPT_ALIGN) * CKPT_ALIGN if p % CKPT_ALIGN else p + PREFILL_PIECE
+            nxt = min([nxt, end] + [m for m in stops if m > p])
+            piece = new[p - start:nxt - start]
+            out = ex.prefill(piece)
+            self.ids += piece
+            self._last = out
+            if nxt in stops:
+                self._checkpoint()
+        return end - start
+
+    def _checkpoint(self) -> None:
+        pos = len(self.ids)
+        if self.checkpoints and self.checkpoints[-1][0] == pos:
+            return
+        self.checkpoints.append((pos, self._ex().state_snapshot()))
+        self.checkpoints = self.checkpoints[-MAX_CHECKPOINTS:]
+
+    def _sync(self, prompt: list[int], marks: Sequence[int] = ()) -> tuple[StepOutput, int, int, str]:
+        """Bring the state to ``prompt``; returns (last output, reused tokens, prefilled tokens, note)."""
+        common = _common_prefix(self.ids, prompt)
+        if common == len(self.ids) == len(prompt) and self._last is not None:
+            return self._last, common, 0, f"prompt equals the session's {common} tokens: nothing to run"
+        note = ""
+        if common == len(prompt):  # prompt is a prefix of the state: need the last prompt token's output again
+            common -= 1
+        if common < len(self.ids):
+            had = len(self.ids)
+            back = self._rewind(common)
+            note = (f"prompt diverges from the session's {had} tokens at token {common}; "
+                    + (f"re-ran from the checkpoint at {back}" if back else "no checkpoint before it: fresh prefill"))
+        elif common:
+            note = f"appended to the session's {common} tokens"
+        reused = len(self.ids)
+        ran = self._prefill(prompt[reused:], marks)
+        return self._last, min(common, reused), ran, note
+
+    # ------------------------------------------------------------------ the decode loop
+    def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int = 256, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 stop: Sequence[str] = (), stop_ids: Sequence[int] | None = None,
+                 checkpoint_at: Sequence[int] = ()) -> Generation:
+        """Continue the conversation whose whole token stream is ``prompt_ids``; returns a streaming Generation.
+
+        Stops on ``stop_ids`` (default: the config's eos ids 248046, 248044), on any ``stop`` string matched on
+        the detokenised text (text past it is never emitted), after ``max_new_tokens``, or when the session is
+        full. ``checkpoint_at``: extra prompt positions to snapshot (``chat`` passes the start of the generation
+        prompt, where a re-rendered history usually diverges). Raises (before any work) EmptyPrompt,
+        InvalidTokenId, PromptTooLong, InvalidArgument; while running, GenerationInterrupted on KeyboardInterrupt
+        (the session is rolled back to a checkpoint and stays usable).
+        """
+        cfg = self.engine.cfg
+        if self._busy:
+            raise EngineError("this session is already generating: finish or close() its Generation first")
+        prompt = validate_ids(prompt_ids, cfg.vocab_size)
+        if len(prompt) > self.capacity:
+            raise PromptTooLong(f"prompt has {len(prompt)} tokens; the session holds at most {self.capacity} "
+                                f"(executor capacity {self.engine.executor.capacity}, model context "
+                                f"{cfg.max_position_embeddings})")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+            raise InvalidArgument(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
+        if isinstance(stop, str):
+            stop = [stop]
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise InvalidArgument(f"stop: expected non-empty strings, got {list(stop)!r}")
+        stop_set = set(cfg.eos_token_ids if stop_ids is None
+                       else validate_ids(stop_ids, cfg.vocab_size, "stop_ids", allow_empty=True))
+        sampler = Sampler(SamplingParams(temperature, top_k, top_p, seed))
+        marks = [int(m) for m in checkpoint_at]
+        return Generation(lambda g: self._loop(g, prompt, int(max_new_tokens), list(stop), stop_set, sampler, marks))
+
+    def chat(self, messages: list[dict], *, tools: list[dict] | None = None, enable_thinking: bool = True,
+             **kw) -> Generation:
+        """Render ``messages`` (the whole conversation) with the checkpoint's chat template and generate. The state
+        at the generation prompt's ``<|im_start|>`` is kept: the next turn's render drops this turn's reasoning
+        and re-tokenises its reply, so it diverges there and re-runs from that point, not from scratch."""
+        ids = self.engine.render_chat(messages, tools, enable_thinking)
+        starts = [i for i, t in enumerate(ids) if t == IM_START_ID]
+        return self.generate(ids, checkpoint_at=starts[-1:], **kw)
+
+    def _loop(self, g: Generation, prompt: list[int], max_new: int, stops: list[str], stop_set: set[int],
+              sampler: Sampler, marks: list[int]) -> Iterator[Delta]:
+        ex = self.engine.executor
+        t0 = time.perf_counter()
+        tm = Timings(prompt_tokens=len(prompt))
+        detok, match = self.engine.new_detok(), _StopMatcher(stops)
+        out_ids: list[int] = []
+        paused = 0.0
+        self._busy = True
+        try:
+            out, tm.reused_tokens, tm.prefilled_tokens, note = self._sync(prompt, marks)
+            t1 = time.perf_counter()
+            tm.prefill_ms = (t1 - t0) * 1e3
+            finish = None
+            while finish is None:
+                tok = out.token if (out.token is not None and sampler.params.greedy) else None
+                if tok is None:
+                    if out.logits is None:
+                        raise EngineError(f"{ex.name} executor returned neither logits nor a token")
+                    tok = sampler(out.logits)
+                if not out_ids:
+                    t_first, paused = time.perf_counter(), 0.0
+                    tm.ttft_ms = (t_first - t0) * 1e3
+                out_ids.append(tok)
+                if tok in stop_set:
+                    finish, piece = "stop", detok.flush()
+                else:
+                    piece = detok.push(tok)
+                    if len(out_ids) == max_new:
+                        finish = "length"
+                    elif len(self.ids) >= self.capacity:
+                        finish = "capacity"
+                    if finish:
+                        piece += detok.flush()
+                text, hit = match.feed(piece)
+                if hit:
+                    finish = "stop_string"
+                elif finish:
+                    text += match.flush()
+                ty = time.perf_counter()
+                yield Delta(text, [tok], finish)  # hand the text out before the next step computes
+                paused += time.perf_counter() - ty  # time the consumer held the stream is not decode time
+                if finish is None:
+                    out = self._ex().step(tok)  # re-select the slot: another session may have run meanwhile
+                    self.ids.append(tok)
+                    self._last = out
+                    tm.steps += 1
+        except KeyboardInterrupt:
+            back = self._rewind(len(self.ids))
+            raise GenerationInterrupted(f"generation interrupted after {len(out_ids)} tokens; the session was "
+                                        f"rolled back to {back} tokens and stays usable") from None
+        except GeneratorExit:  # closed at a yield: the state is consistent
+            raise
+        except BaseException:
+            self._rewind(len(self.ids))  # state may be half-updated: return to a clean checkpoint
+            raise
+        finally:
+            self._busy = False
+        t2 = time.perf_counter()
+        tm.generated_tokens = len(out_ids)
+        busy = t2 - t_first - paused
+        tm.decode_ms = busy * 1e3
+        if len(out_ids) > 1 and busy > 0:
+            tm.decode_tokens_per_s = (len(out_ids) - 1) / busy
+        tm.tokens_per_step = len(out_ids) / (1 + tm.steps)
+        g._result = GenerationResult(match.text, out_ids, finish, tm, ex.name, ex.detail, sampler.seed,
+                                     asdict(sampler.params), note, prompt)

@@ -1,0 +1,132 @@
+"""The CLI (``qwen-mk generate | chat | bench``) through click's CliRunner: one real run of the tiny model on
+the CPU, exit codes for every bad-input case, and chat/JSON mechanics on the scripted executor of
+test_engine (so they run in milliseconds)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from host.cli import main
+from host.engine import Engine
+from host.errors import (EmptyPrompt, ExecutorUnavailable, GenerationInterrupted, InvalidArgument, ModelLoadError,
+                         PromptTooLong)
+from host.executors import gpu_available
+from loader.config import PRESETS
+from tests.cpu.test_engine import HashExecutor, text_layer  # noqa: F401  (fixture)
+
+
+def run(args, input=None):
+    return CliRunner().invoke(main, args, input=input)
+
+
+@pytest.fixture
+def fake_engine(monkeypatch, text_layer):  # noqa: F811
+    """Patch the CLI's engine loader to a scripted-executor engine; returns the list of engines made."""
+    made = []
+
+    def load(kw):
+        tok, tmpl = text_layer
+        e = Engine(PRESETS["tiny"], None, None, tok, tmpl, HashExecutor(capacity=kw["capacity"]))
+        made.append(e)
+        return e
+
+    import host.commands.chat as chat
+    import host.commands.generate as gen
+    monkeypatch.setattr(gen, "load_engine", load)
+    monkeypatch.setattr(chat, "load_engine", load)
+    return made
+
+
+def test_generate_tiny_on_cpu(tiny_ckpt):
+    """The real path: tokenizer, chat template, reference model on the CPU, streamed text, timing line."""
+    r = run(["generate", "Write a haiku about the sea", "--model", str(tiny_ckpt), "--executor", "cpu",
+             "--max-new-tokens", "2"])
+    assert r.exit_code == 0, r.output + str(r.exception)
+    assert r.stdout.strip() and "prefill" in r.stderr and "decode 2 tok" in r.stderr and "finish length" in r.stderr
+
+
+def test_generate_json_and_stdin(fake_engine):
+    r = run(["generate", "--json", "--max-new-tokens", "4"], input="Write a haiku about the sea\n")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert set(d) >= {"text", "ids", "finish_reason", "timings", "executor_detail"} and len(d["ids"]) == 4
+    tk = fake_engine[0].tokenizer
+    assert d["text"] == tk.decode(d["ids"]) and d["finish_reason"] == "length"
+    assert d["timings"]["prompt_tokens"] == len(tk.encode(fake_engine[0].template.render(
+        [{"role": "user", "content": "Write a haiku about the sea\n"}])))
+    r2 = run(["generate", "Hi", "--max-new-tokens", "4"])         # streamed form prints the same text
+    assert r2.exit_code == 0 and r2.stdout.strip() and "finish length" in r2.stderr
+
+
+@pytest.mark.parametrize("args,code", [
+    (["generate", ""], EmptyPrompt.exit_code),
+    (["generate", "   \n"], EmptyPrompt.exit_code),
+    (["generate", "hi", "--temperature", "-1"], InvalidArgument.exit_code),
+    (["generate", "hi", "--top-p", "2"], InvalidArgument.exit_code),
+    (["generate", "hi", "--max-new-tokens", "0"], 2),
+    (["generate", "hi " * 50, "--capacity", "16"], PromptTooLong.exit_code),
+    (["generate", "hi", "--model", "x", "--preset", "tiny"], 2),
+], ids=lambda a: " ".join(a)[:40] if isinstance(a, list) else str(a))
+def test_generate_bad_input_exit_codes(fake_engine, args, code):
+    r = run(args)
+    assert r.exit_code == code, (r.exit_code, r.output)
+    if code != 2 or "--temperature" in args or "--top-p" in args:
+        assert "error:" in r.stderr
+
+
+def test_generate_bad_model_dir(tmp_path, tiny_ckpt):
+    r = run(["generate", "hi", "--model", str(tmp_path / "absent"), "--executor", "cpu"])
+    assert r.exit_code == ModelLoadError.exit_code and "not a directory" in r.stderr
+    (tmp_path / "config.json").write_text((tiny_ckpt / "config.json").read_text())  # no weights
+    r = run(["generate", "hi", "--model", str(tmp_path), "--executor", "cpu"])
+    assert r.exit_code == ModelLoadError.exit_code and "error:" in r.stderr and str(tmp_path) in r.stderr
+
+
+@pytest.mark.parametrize("kind", ["megakernel", "graph"])
+def test_generate_gpu_executor_without_gpu(kind, tiny_ckpt):
+    if gpu_available()[0]:
+        pytest.skip("a GPU is present")
+    r = run(["generate", "hi", "--model", str(tiny_ckpt), "--executor", kind])
+    assert r.exit_code == ExecutorUnavailable.exit_code and "needs an NVIDIA GPU" in r.stderr
+
+
+def test_generate_interrupted(fake_engine, monkeypatch):
+    def boom(self, token):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(HashExecutor, "step", boom)
+    r = run(["generate", "hi", "--max-new-tokens", "5"])
+    assert r.exit_code == GenerationInterrupted.exit_code and "interrupted" in r.stderr
+
+
+def test_chat_keeps_session_and_survives_interrupt(fake_engine, monkeypatch):
+    r = run(["chat", "--max-new-tokens", "3", "--no-think"], input="hello\nhow are you\n/exit\n")
+    assert r.exit_code == 0, r.output
+    assert r.stderr.count("finish length") == 2
+    ex, tk = fake_engine[0].executor, fake_engine[0].tokenizer
+    header = len(tk.encode("<|im_start|>user\nhello<|im_end|>\n"))
+    kinds = [c[0] for c in ex.calls]
+    turn2 = ex.calls[kinds.index("prefill", kinds.index("step"))]
+    assert turn2[1] == header, ex.calls                          # re-ran from turn 1's assistant header, not 0
+    calls = {"n": 0}
+    real_step = HashExecutor.step
+
+    def flaky(self, token):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real_step(self, token)
+    monkeypatch.setattr(HashExecutor, "step", flaky)
+    r = run(["chat", "--max-new-tokens", "4", "--no-think"], input="one\ntwo\n")
+    assert r.exit_code == 0, r.output
+    assert "[interrupted" in r.stderr and r.stderr.count("finish length") == 1
+
+
+def test_bench_lists_and_refuses_without_gpu():
+    r = run(["bench", "--list"])
+    assert r.exit_code == 0
+    if gpu_available()[0]:
+        pytest.skip("a GPU is present")
+    r = run(["bench"])
+    assert r.exit_code == ExecutorUnavailable.exit_code and "need an NVIDIA GPU" in r.stderr
