@@ -1,0 +1,55 @@
+// finish.cu — the small glue kernels of the discrete decode step (discrete/step.py): the RMSNorm that the
+// megakernel runs as a GEMV prologue, the segmented split-K reduce of a fused projection (q|k|v, qkv|z) into
+// its per-segment output buffers, and the finish kernel that advances the control block so that one captured
+// CUDA graph replays unchanged for every token (article Part 6.2).
+//
+// The control block is passed as its uint32 words; QMK_CTRL_* are the word offsets of its fields, generated
+// by discrete/step.py from discrete.control.CONTROL_DTYPE (the one source of the layout).
+// qmk: defines discrete.step:compile_defines
+#include "gemv.cuh"
+#include "norm.cuh"
+
+#ifndef QMK_CTRL_STEP
+#error "finish.cu: the QMK_CTRL_* word offsets come from discrete/step.py (control_defines)"
+#endif
+#define QMK_NORM_THREADS 256
+
+// (1+w) RMSNorm of M rows: x, y [M, n] bf16 (row stride n), w [n] bf16. grid 1, block QMK_NORM_THREADS.
+// Same rounding points as assembler/ref/ops.py rmsnorm (norm.cuh); a row's result does not depend on M.
+extern "C" __global__ void __launch_bounds__(QMK_NORM_THREADS)
+qmk_rmsnorm_rows(const mx_u16* __restrict__ x, const mx_u16* __restrict__ w, mx_u16* __restrict__ y, int M, int n) {
+    __shared__ double red[QMK_NORM_THREADS / 32];
+    mx_rmsnorm_rows<QMK_NORM_THREADS>(x, n, w, y, n, M, n, red);
+}
+
+// Fixed-order reduce (store epilogue) of P [S, M, N] fp32 — the partials of a row-fused projection — into up to
+// three outputs: columns [c0_s, c0_s + n_s) go to out_s [M, n_s] bf16 (n_s = 0: unused). grid ceil(M·N/256).
+extern "C" __global__ void __launch_bounds__(256)
+qmk_reduce_segments(const float* __restrict__ P, int S, int M, int N, int c1, int c2, qmk_u16* out0, qmk_u16* out1,
+                    qmk_u16* out2) {
+    const int i = blockIdx.x * 256 + threadIdx.x;
+    if (i >= M * N) return;
+    const int m = i / N, n = i - m * N;
+    const qmk_u16 v = qmk_gemv_epilogue(QMK_EPI_STORE, P, S, M, N, m, n, nullptr);
+    if (n < c1) out0[(size_t)m * c1 + n] = v;
+    else if (n < c2) out1[(size_t)m * (c2 - c1) + (n - c1)] = v;
+    else out2[(size_t)m * (N - c2) + (n - c2)] = v;
+}
+
+// End of a step of M rows (one thread): step += 1; pos += M; out_token = ids[M-1] (greedy argmax of the last
+// row); tokens[0] = out_token (the next step's input; teacher-forced / verify rows are written by the host
+// before the next replay); stop = 1 when out_token is an eos id or pos reaches max_pos (never cleared here).
+extern "C" __global__ void __launch_bounds__(32)
+qmk_finish(unsigned int* __restrict__ ctrl, const int* __restrict__ ids, int M) {
+    if (threadIdx.x != 0) return;
+    const int tok = ids[M - 1];
+    const unsigned int pos = ctrl[QMK_CTRL_POS] + (unsigned int)M;
+    ctrl[QMK_CTRL_STEP] += 1u;
+    ctrl[QMK_CTRL_POS] = pos;
+    ctrl[QMK_CTRL_OUT] = (unsigned int)tok;
+    ctrl[QMK_CTRL_TOKENS] = (unsigned int)tok;
+    bool stop = pos >= ctrl[QMK_CTRL_MAX_POS];
+    const unsigned int ne = ctrl[QMK_CTRL_N_EOS];
+    for (unsigned int e = 0; e < ne && e < QMK_CTRL_MAX_EOS; ++e) stop |= (int)ctrl[QMK_CTRL_EOS + e] == tok;
+    if (stop) ctrl[QMK_CTRL_STOP] = 1u;
+}

@@ -1,0 +1,340 @@
+"""The whole decode step on the GPU as discrete kernels, replayable as ONE captured CUDA graph (article Parts
+3.9, 6.2, 6.5; DESIGN.md "Data flow of one decode step").
+
+Per step of M ≤ 8 rows (positions pos..pos+M−1, read on the device from the control block):
+  embed(tokens) → per layer [rmsnorm → fused in-projection (split-K partials, segmented reduce into q|k|v or
+  qkv|z) → GDN step or 4-stage attention → out-projection + residual → rmsnorm → gate|up + SwiGLU → down +
+  residual] → rmsnorm → lm_head + argmax → finish (control block: step += 1, pos += M, tokens[0] = argmax).
+Every op is the ``assembler/graph.py`` op with the graph's split-K; GEMV blocks cut the tasks with
+``discrete.partition.gemv_slices`` (results depend on split-K only, never on the slicing). The megakernel runs
+each RMSNorm as a GEMV prologue; here it is one small kernel (same device function, same bits).
+
+Everything is allocated in the constructor: weights (given), one activation arena (every activation buffer of
+``verify_graph(cfg, 8)`` plus the normed inputs), one split-K scratch, GDN state + conv rings, paged KV (all
+pages of ``capacity`` reserved), control block, lm_head buffers, logits only with ``debug_logits``.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+
+from assembler.graph import verify_graph
+from assembler.numerics import MAX_ROWS
+from discrete.attention import AttnDecode
+from discrete.build import load_module
+from discrete.control import CONTROL_DTYPE, MAX_EOS, new_control
+from discrete.gdn import CONV_RING, GdnDecode, ring_to_ref, state_to_ref
+from discrete.gemv import NULL, Gemv
+from discrete.kv_cache import PagedKVCache
+from discrete.lm_head import Embed, LmHead
+from loader.config import FIRST_PADDING_ID, FULL, ModelConfig
+
+POISON = 0x7FC1  # a bf16 NaN pattern for activation buffers (tests)
+
+
+def control_defines() -> dict[str, int]:
+    """Word offsets (uint32) of the control block fields for finish.cu, from CONTROL_DTYPE."""
+    f = CONTROL_DTYPE.fields
+    w = {k: f[k][1] // 4 for k in CONTROL_DTYPE.names}
+    return {"QMK_CTRL_STEP": w["step"], "QMK_CTRL_POS": w["pos"], "QMK_CTRL_STOP": w["stop"],
+            "QMK_CTRL_MAX_POS": w["max_pos"], "QMK_CTRL_N_EOS": w["n_eos"], "QMK_CTRL_EOS": w["eos"],
+            "QMK_CTRL_TOKENS": w["tokens"], "QMK_CTRL_OUT": w["out_token"], "QMK_CTRL_MAX_EOS": MAX_EOS}
+
+
+def compile_defines(cfg: ModelConfig) -> dict[str, int]:
+    """Extra defines of finish.cu for the offline compile check (``// qmk: defines`` marker)."""
+    return control_defines()
+
+
+class DecodeStep:
+    """One session's decode step on the device.
+
+    cfg: ModelConfig; weights: ``discrete.weights_gpu.WeightsGPU`` of the same config; capacity: tokens the
+    session may hold (KV pages reserved at start-up); m_rows: rows of the captured step (1 = decode, ≤ 8 =
+    verify); debug_logits: also keep the bf16 logits [M, V] (for tests). Raises ValueError on bad arguments."""
+
+    def __init__(self, cfg: ModelConfig, weights, capacity: int, m_rows: int = 1, *, debug_logits: bool = False):
+        import cupy as cp
+        if weights.cfg != cfg:
+            raise ValueError("DecodeStep: weights were built for another config")
+        if not 1 <= m_rows <= MAX_ROWS:
+            raise ValueError(f"DecodeStep: m_rows={m_rows}; expected 1..{MAX_ROWS}")
+        if capacity < 1 or capacity > cfg.max_position_embeddings:
+            raise ValueError(f"DecodeStep: capacity={capacity}; expected 1..{cfg.max_position_embeddings}")
+        self.cfg, self.w, self.capacity, self.m = cfg, weights, int(capacity), int(m_rows)
+        self.debug_logits = debug_logits
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.graph = verify_graph(cfg, MAX_ROWS)     # buffer sizes for up to 8 rows; steps use row prefixes
+        self._alloc_arena()
+        self.ctrl = cp.zeros(CONTROL_DTYPE.itemsize // 4, cp.uint32)
+        self._ctrl_i = self.ctrl.view(cp.int32)
+        wd = control_defines()
+        self.pos_dev = self._ctrl_i[wd["QMK_CTRL_POS"]:wd["QMK_CTRL_POS"] + 1]
+        self.tokens_dev = self._ctrl_i[wd["QMK_CTRL_TOKENS"]:wd["QMK_CTRL_TOKENS"] + MAX_ROWS]
+        self._wd = wd
+        self._build_ops()
+        self._graph = None
+        self.last_m = self.m      # rows of the last step launched (snapshot / buffer default)
+        self.reset()
+        cp.cuda.Device().synchronize()
+
+    # ------------------------------------------------------------------ allocation (start-up only)
+    def _alloc_arena(self) -> None:
+        import cupy as cp
+        cfg, g = self.cfg, self.graph
+        H = cfg.hidden_size
+        specs = {}
+        for b in g.buffers.values():
+            if b.kind == "act" and (b.name != "logits" or self.debug_logits):
+                specs[b.name] = (b.shape, np.uint16 if b.dtype == "bf16" else np.int32)
+        for i in range(cfg.num_hidden_layers):  # normed inputs (the megakernel's GEMV prologue)
+            specs[f"xn.{i}"] = ((MAX_ROWS, H), np.uint16)
+            specs[f"xn.{i}.post"] = ((MAX_ROWS, H), np.uint16)
+        specs["hn"] = ((MAX_ROWS, H), np.uint16)
+        offs, n = {}, 0
+        for name, (shape, dt) in specs.items():
+            offs[name] = n
+            n += -(-(int(np.prod(shape)) * np.dtype(dt).itemsize) // 256) * 256  # 256-byte aligned slots
+        self.arena = cp.empty(n, cp.uint8)
+        self.buf = {name: self.arena[offs[name]:offs[name] + int(np.prod(s)) * np.dtype(dt).itemsize].view(dt).reshape(s)
+                    for name, (s, dt) in specs.items()}
+        # one split-K scratch shared by all projections (launches are ordered on one stream)
+        pmax = 0
+        for op in g.ops:
+            for s in op.segments:
+                rows = 2 * s.n_out if s.epilogue == "swiglu" else s.n_out
+                pmax = max(pmax, s.split * MAX_ROWS * rows)
+        fused = [op for op in g.ops if op.kind == "gemv" and len(op.segments) > 1]
+        for op in fused:
+            pmax = max(pmax, op.segments[0].split * MAX_ROWS * sum(s.n_out for s in op.segments))
+        self.partials = cp.empty(pmax, cp.float32)
+        # state: GDN recurrent [n_v, d_v, d_k] fp32 + conv ring; paged KV; lm_head buffers
+        nv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.rec = {i: cp.zeros((nv, dv, dk), cp.float32) for i in cfg.linear_layers}
+        self.ring = {i: cp.zeros((CONV_RING, cfg.gdn_conv_dim), cp.uint16) for i in cfg.linear_layers}
+        self.kv = PagedKVCache(cfg, -(-self.capacity // 256))
+        self.sess = self.kv.session(self.capacity)
+        self.sess.reserve(self.capacity)
+
+    def _build_ops(self) -> None:
+        cfg, W, g = self.cfg, self.w, self.graph
+        fin = load_module(cfg, ("finish.cu",), control_defines())
+        self._k_norm, self._k_seg, self._k_finish = (fin.get_function(n) for n in
+                                                     ("qmk_rmsnorm_rows", "qmk_reduce_segments", "qmk_finish"))
+        self.embed = Embed(cfg, W.embed)
+        self.head = LmHead(cfg, W.lm_head)
+        self.head_bufs = self.head.buffers(MAX_ROWS)
+        self.layer_ops = []
+        attn_base = None
+        for i, L in enumerate(W.layers):
+            ops = {}
+            for key, op in (("in", g.op(f"L{i}.in")), ("out", g.op(f"L{i}.out")), ("gate_up", g.op(f"L{i}.gateup")),
+                            ("down", g.op(f"L{i}.down"))):
+                seg = op.segments[0]
+                p = L[key]
+                epi = "store" if key == "in" else seg.epilogue
+                ops[key] = Gemv(cfg, p.w, p.scale, epilogue=epi, split=seg.split, name=f"L{i}.{key}")
+                if key == "in":
+                    ops["in_cuts"] = (p.rows[1], p.rows[2] if len(p.rows) > 3 else p.rows[-1])
+            if cfg.layer_types[i] == FULL:
+                if attn_base is None:
+                    attn_base = AttnDecode(cfg, L["q_norm"], L["k_norm"], self.capacity)
+                    ops["attn"] = attn_base
+                else:  # share the score / partial scratch (layers run one after another on one stream)
+                    a = copy.copy(attn_base)
+                    a.q_norm_w, a.k_norm_w = L["q_norm"], L["k_norm"]
+                    ops["attn"] = a
+                ops["attn_layer"] = cfg.full_layers.index(i)
+            else:
+                ops["gdn"] = GdnDecode(cfg, L["a"], L["b"], L["A_log"], L["dt_bias"], L["conv_w"], L["norm"])
+            self.layer_ops.append(ops)
+
+    # ------------------------------------------------------------------ launches
+    def launches(self, M: int) -> list[tuple[str, object]]:
+        """The step for M rows as (category, closure) pairs in launch order; each closure enqueues its kernels on
+        the current stream and allocates nothing. Categories: embed, norm, in_proj, gdn, attn, out_proj, mlp,
+        lm_head, finish (benchmarks time the graph without one category)."""
+        cfg, B, H = self.cfg, self.buf, self.cfg.hidden_size
+        i32 = np.int32
+        out = [("embed", lambda: self.embed(self.tokens_dev[:M], B["x.0"][:M]))]
+
+        def norm(x, w, y):
+            return lambda: self._k_norm((1,), (256,), (x, w, y, i32(M), i32(H)))
+
+        for i, (L, ops) in enumerate(zip(self.w.layers, self.layer_ops)):
+            x, xn, xm, xp = B[f"x.{i}"], B[f"xn.{i}"], B[f"x.{i}.mid"], B[f"xn.{i}.post"]
+            nxt = B[f"x.{i + 1}"]
+            out.append(("norm", norm(x, L["in_norm"], xn)))
+            gin, (c1, c2) = ops["in"], ops["in_cuts"]
+            if "gdn" in ops:
+                o, outs = B[f"o.{i}"], (B[f"qkv.{i}"], B[f"z.{i}"], None)
+            else:
+                o, outs = B[f"o.{i}"], (B[f"qg.{i}"], B[f"k.{i}"], B[f"v.{i}"])
+
+            def in_proj(gin=gin, xn=xn, outs=outs, c1=c1, c2=c2):
+                P = gin.partial(xn[:M], self.partials)
+                tot = M * gin.N
+                self._k_seg(((tot + 255) // 256,), (256,), (P, i32(gin.split), i32(M), i32(gin.N), i32(c1), i32(c2),
+                                                          outs[0], outs[1], NULL if outs[2] is None else outs[2]))
+            out.append(("in_proj", in_proj))
+            if "gdn" in ops:
+                out.append(("gdn", lambda ops=ops, i=i, o=o, xn=xn: ops["gdn"](
+                    B[f"qkv.{i}"], B[f"z.{i}"], xn, self.ring[i], self.rec[i], o, self.pos_dev, M)))
+            else:
+                out.append(("attn", lambda ops=ops, i=i, o=o: ops["attn"](
+                    B[f"qg.{i}"], B[f"k.{i}"], B[f"v.{i}"], self.kv, self.sess, ops["attn_layer"], o, self.pos_dev, M)))
+            out.append(("out_proj", lambda g=ops["out"], o=o, x=x, xm=xm:
+                        g(o[:M], xm[:M], self.partials, residual=x[:M])))
+            out.append(("norm", norm(xm, L["post_norm"], xp)))
+            out.append(("mlp", lambda g=ops["gate_up"], xp=xp, a=B[f"act.{i}"]: g(xp[:M], a[:M], self.partials)))
+            out.append(("mlp", lambda g=ops["down"], a=B[f"act.{i}"], xm=xm, nxt=nxt:
+                        g(a[:M], nxt[:M], self.partials, residual=xm[:M])))
+        xL = B[f"x.{cfg.num_hidden_layers}"]
+        out.append(("norm", norm(xL, self.w.final_norm, B["hn"])))
+        lg = B["logits"][:M] if self.debug_logits else None
+        out.append(("lm_head", lambda: self.head(B["hn"][:M], self.head_bufs, logits=lg)))
+        out.append(("finish", lambda: self._k_finish((1,), (32,), (self.ctrl, self.head_bufs["ids"], i32(M)))))
+        return out
+
+    @staticmethod
+    def kernels_per_launch(category: str) -> int:
+        """Kernels one closure of ``category`` enqueues (launch inventory)."""
+        return {"embed": 1, "norm": 1, "in_proj": 2, "gdn": 1, "attn": 4, "out_proj": 2, "mlp": 2, "lm_head": 2,
+                "finish": 1}[category]
+
+    def _enqueue(self, M: int, skip: tuple[str, ...] = ()) -> None:
+        for cat, f in self.launches(M):
+            if cat not in skip:
+                f()
+
+    def _check_room(self, M: int) -> None:
+        if self.pos + M > self.capacity:
+            raise ValueError(f"DecodeStep: positions {self.pos}..{self.pos + M - 1} exceed capacity {self.capacity}")
+
+    def _set_tokens(self, tokens) -> int:
+        t = np.asarray(tokens, np.int32).reshape(-1)
+        if not 1 <= t.size <= MAX_ROWS:
+            raise ValueError(f"DecodeStep: expected 1..{MAX_ROWS} tokens, got {t.size}")
+        if t.min() < 0 or t.max() >= FIRST_PADDING_ID:
+            raise ValueError(f"DecodeStep: token ids must lie in [0, {FIRST_PADDING_ID}), got {t.tolist()}")
+        self.tokens_dev[:t.size].set(t, stream=self.stream)
+        return int(t.size)
+
+    # ------------------------------------------------------------------ public API
+    def reset(self, pos: int = 0, tokens=(0,), max_pos: int | None = None, clear_state: bool = True) -> None:
+        """Start a session at ``pos`` with input ``tokens`` (control block rewritten; GDN state and conv rings
+        zeroed unless ``clear_state=False``; KV is not cleared: positions ≥ pos are rewritten before read).
+        ``max_pos`` defaults to the capacity."""
+        max_pos = self.capacity if max_pos is None else int(max_pos)
+        if not 0 <= pos <= self.capacity or not 0 < max_pos <= self.capacity:
+            raise ValueError(f"DecodeStep.reset: pos={pos}, max_pos={max_pos}; capacity {self.capacity}")
+        c = new_control(pos, list(tokens), max_pos, tuple(self.cfg.eos_token_ids)[:MAX_EOS])
+        c["m_rows"] = self.m
+        self.write_control(c)
+        with self.stream:
+            if clear_state:
+                for a in (*self.rec.values(), *self.ring.values()):
+                    a.fill(0)
+
+    def write_control(self, c: np.ndarray) -> None:
+        """Overwrite the control block (a CONTROL_DTYPE scalar, e.g. edited from :meth:`control`), in stream order."""
+        if c.dtype != CONTROL_DTYPE:
+            raise ValueError(f"DecodeStep.write_control: expected dtype CONTROL_DTYPE, got {c.dtype}")
+        self.ctrl.set(np.frombuffer(c.tobytes(), np.uint32), stream=self.stream)
+        self.pos = int(c["pos"])
+
+    def poison(self) -> None:
+        """Fill every activation buffer (and the split-K scratch) with NaN, so a read of anything not written in
+        the next step shows up (tests)."""
+        with self.stream:
+            self.arena.view(np.uint16).fill(POISON)
+            self.partials.fill(np.nan)
+
+    def run_eager(self, tokens=None) -> None:
+        """Launch one step kernel by kernel (no graph). ``tokens``: the input ids of the rows (1..8; M = their
+        count), written into the control block first; None: M = m_rows, tokens already in the control block."""
+        M = self.m if tokens is None else self._set_tokens(tokens)
+        self._check_room(M)
+        with self.stream:
+            self._enqueue(M)
+        self.pos += M
+        self.last_m = M
+
+    def capture(self) -> None:
+        """Capture the m_rows step into one CUDA graph (replayed unchanged for every token)."""
+        with self.stream:
+            self.stream.begin_capture()
+            try:
+                self._enqueue(self.m)
+            finally:
+                self._graph = self.stream.end_capture()
+
+    def capture_without(self, skip: tuple[str, ...]):
+        """A graph of the m_rows step with the categories in ``skip`` left out (timing only; wrong results)."""
+        with self.stream:
+            self.stream.begin_capture()
+            try:
+                self._enqueue(self.m, skip)
+            finally:
+                g = self.stream.end_capture()
+        return g
+
+    def replay(self, tokens=None) -> None:
+        """Replay the captured graph once (teacher forcing: ``tokens``, exactly m_rows ids, are written first)."""
+        if self._graph is None:
+            raise RuntimeError("DecodeStep.replay: call capture() first")
+        if tokens is not None and self._set_tokens(tokens) != self.m:
+            raise ValueError(f"DecodeStep.replay: the graph runs {self.m} rows; got {len(tokens)} tokens")
+        self._check_room(self.m)
+        self._graph.launch(self.stream)
+        self.pos += self.m
+        self.last_m = self.m
+
+    def read_token(self) -> int:
+        """Wait for the stream; the argmax of the last row of the last step (the next input token)."""
+        self.stream.synchronize()
+        o = self._wd["QMK_CTRL_OUT"]
+        return int(self._ctrl_i[o:o + 1].get()[0])
+
+    def control(self) -> np.ndarray:
+        """Host copy of the control block (CONTROL_DTYPE scalar)."""
+        self.stream.synchronize()
+        return np.frombuffer(self.ctrl.get().tobytes(), CONTROL_DTYPE).copy()[0]
+
+    def prefill(self, ids, rows: int = MAX_ROWS) -> int:
+        """Process a prompt as eager passes of ``rows`` ≤ 8 rows (the verify form; slow but correct for any length
+        up to the capacity). Returns the greedy next token (argmax of the last prompt row)."""
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        if not 1 <= rows <= MAX_ROWS or ids.size < 1:
+            raise ValueError(f"DecodeStep.prefill: rows={rows} (1..{MAX_ROWS}), {ids.size} ids (≥ 1)")
+        for s in range(0, ids.size, rows):
+            self.run_eager(ids[s:s + rows])
+        return self.read_token()
+
+    def buffer(self, name: str, M: int | None = None) -> np.ndarray:
+        """Host copy of an arena buffer (``x.3``, ``xn.3``, ``qkv.0``, ``hn``, ``logits``, …) as bf16 [M, …]
+        (M defaults to the rows of the last step)."""
+        import ml_dtypes
+        self.stream.synchronize()
+        a = self.buf[name][: (self.last_m if M is None else M)].get()
+        return a.view(ml_dtypes.bfloat16) if a.dtype == np.uint16 else a
+
+    def snapshot(self, M: int | None = None) -> dict:
+        """Host copies in the reference's layouts (docs/INTERFACES.md §3 ModelState): ``pos``; ``hidden`` [M, H]
+        (final-normed) and ``logits`` [M, V] (debug only) as bf16; ``ids`` [M]; ``conv``/``rec`` per GDN layer
+        ([conv_dim, 3] bf16, [n_v, d_k, d_v] fp32); ``k``/``v`` per attention layer ([pos, n_kv, hd] bf16)."""
+        import ml_dtypes
+        M = self.last_m if M is None else M
+        self.stream.synchronize()
+        bf = ml_dtypes.bfloat16
+        snap = {"pos": self.pos, "hidden": self.buffer("hn", M), "ids": self.head_bufs["ids"][:M].get(),
+                "conv": {i: ring_to_ref(r.get(), self.pos).view(bf) for i, r in self.ring.items()},
+                "rec": {i: state_to_ref(s.get()) for i, s in self.rec.items()}, "k": {}, "v": {}}
+        if self.debug_logits:
+            snap["logits"] = self.buffer("logits", M)
+        if self.pos > 0:
+            for j, i in enumerate(self.cfg.full_layers):
+                k, v = self.kv.gather(self.sess, j, self.pos)
+                snap["k"][i], snap["v"][i] = k.view(bf), v.view(bf)
+        return snap
