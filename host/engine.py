@@ -25,29 +25,59 @@ DEFAULT_CAPACITY = 4096  # tokens per session slot unless the caller asks otherw
 DEFAULT_SLOTS = 4
 
 
-def _resolve_model(path_or_preset: str | Path | None, seed: int, quiet: bool) -> Path:
-    """Checkpoint directory for a path or a preset name (synthetic, generated on first use into the cache)."""
+def _resolve_model(path_or_preset: str | Path | None, seed: int, quiet: bool, gpu: bool) -> tuple[Path, str | None]:
+    """(directory, preset) for a path or a preset name. A preset's weights are synthetic: on the CPU the tiny
+    checkpoint is written once into the cache and read back; on a GPU no weight file is written at all (the
+    directory holds config and tokenizer files; the executor materialises the weights in GPU memory)."""
     if path_or_preset is None:
         path_or_preset = "tiny"
     p = Path(path_or_preset)
     if str(path_or_preset) in PRESETS and not p.is_dir():
         name = str(path_or_preset)
-        if name != "tiny":
+        if gpu:
+            d = _synthetic_meta_dir(name, seed)
+        elif name != "tiny":
             raise ModelLoadError(
-                f"preset {name!r}: no synthetic checkpoint is generated on first use for this preset (it is "
-                f"~{PRESETS[name].weight_bytes_per_token / 1e9:.0f} GB); write one with `qwen-mk make-checkpoint "
-                f"--preset {name} --out DIR` and pass --model DIR")
-        from loader.synthetic import ensure_checkpoint
+                f"preset {name!r} needs a GPU executor (~{PRESETS[name].weight_bytes_per_token / 1e9:.0f} GB of "
+                f"weights per token); on the CPU use --preset tiny, or write a checkpoint with `qwen-mk "
+                f"make-checkpoint --preset {name} --out DIR` and pass --model DIR")
+        else:
+            from loader.synthetic import ensure_checkpoint
 
-        d = Path(ensure_checkpoint(name, seed=seed))
+            d = Path(ensure_checkpoint(name, seed=seed))
         if not quiet:
             print(f"qwen-mk: preset {name!r} uses SYNTHETIC random weights (seed {seed}, {d}): the text is "
                   "meaningless by design", file=sys.stderr)
-        return d
+        return d, name
     if not p.is_dir():
         raise ModelLoadError(f"model {str(path_or_preset)!r}: not a directory and not a preset "
                              f"(presets: {', '.join(sorted(PRESETS))})")
-    return p
+    return p, None
+
+
+def _synthetic_meta_dir(name: str, seed: int) -> Path:
+    """Cache directory with the config, generation config and tokenizer files of a synthetic preset, and no
+    weights (written once; ~15 MB)."""
+    import json
+    import os
+
+    from loader.config import preset
+    from loader.synthetic import GENERATION_CONFIG, config_json
+    from loader.tokenizer import write_tokenizer_files
+
+    root = Path(os.environ.get("QWEN_MK_CACHE") or Path.home() / ".cache" / "qwen-mk")
+    d = root / f"meta-{name}-seed{seed}"
+    if not (d / "tokenizer_config.json").is_file():
+        tmp = d.with_name(d.name + f".tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        (tmp / "config.json").write_text(json.dumps(config_json(preset(name)), indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
+        write_tokenizer_files(tmp)
+        if d.exists():
+            import shutil
+            shutil.rmtree(d)
+        tmp.rename(d)
+    return d
 
 
 class Engine:
@@ -76,13 +106,19 @@ class Engine:
         check_kind(kind)  # before reading any weights
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise InvalidArgument(f"capacity: expected a positive integer, got {capacity!r}")
-        model_dir = _resolve_model(path_or_preset, seed, quiet)
+        model_dir, synthetic = _resolve_model(path_or_preset, seed, quiet, gpu=kind != "cpu")
         from loader.chat_template import ChatTemplate
         from loader.checkpoint import Checkpoint, CheckpointError
         from loader.tokenizer import Tokenizer, TokenizerError
 
         try:
-            weights = Checkpoint.open(model_dir)
+            if synthetic is not None and kind != "cpu":
+                from loader.config import preset
+                from loader.synthetic import SyntheticWeights
+
+                weights = SyntheticWeights(preset(synthetic), seed)  # drawn on the GPU by the executor
+            else:
+                weights = Checkpoint.open(model_dir)
             tokenizer = Tokenizer.from_checkpoint(model_dir)
             template = ChatTemplate.from_checkpoint(model_dir)
         except (CheckpointError, ConfigError, TokenizerError, FileNotFoundError, OSError, ValueError) as e:

@@ -18,6 +18,7 @@ lm_head and return a token (plus logits or top-k when sampling asks for them).
 from __future__ import annotations
 
 import copy
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -25,11 +26,12 @@ from typing import Any, Sequence
 import numpy as np
 
 from host.errors import ExecutorUnavailable
-from loader.config import ModelConfig
+from loader.config import FIRST_PADDING_ID, ModelConfig
 
 KINDS = ("megakernel", "graph", "cpu")
 # The CPU path is NumPy: fine for the tiny preset, hopeless for 27 GB of weights per token.
 CPU_MAX_WEIGHT_BYTES = 2 << 30
+MAX_PREFILL_ROWS = 8  # GPU prefill: eager passes of the M <= 8 verify form (a GEMM prefill comes later)
 
 
 @dataclass
@@ -201,53 +203,113 @@ def check_kind(kind: str) -> None:
                 f"{kind} executor needs an NVIDIA GPU: {why}. Use --executor cpu (tiny preset) instead.")
 
 
-class _GpuExecutor(Executor):
-    """Common start-up of the GPU executors: refuse clearly when there is no device or no build."""
+class _DeviceStepOutput(StepOutput):
+    """A GPU step's output: the device's greedy ``token`` now; ``logits`` [V] bf16 copied from the device only
+    when the host asks for them (sampling), so greedy decoding moves one integer per step."""
 
-    module = ""
-
-    def __init__(self, weights, capacity: int, slots: int = 4):
-        check_kind(self.name)
-        why = gpu_available()[1]
-        raise ExecutorUnavailable(
-            f"{self.name} executor is not built yet ({self.module} is integrated later); found {why}. "
-            "Use --executor cpu for now.")
-
-    def reset(self, slot: int = 0) -> None:  # pragma: no cover - unreachable until built
-        raise NotImplementedError
-
-    def select(self, slot: int) -> None:  # pragma: no cover
-        raise NotImplementedError
-
-    def prefill(self, ids):  # pragma: no cover
-        raise NotImplementedError
-
-    def step(self, token):  # pragma: no cover
-        raise NotImplementedError
-
-    def state_snapshot(self):  # pragma: no cover
-        raise NotImplementedError
-
-    def state_restore(self, snap):  # pragma: no cover
-        raise NotImplementedError
+    def __init__(self, token: int | None, fetch):
+        self.token, self._fetch, self._logits = token, fetch, None
 
     @property
-    def position(self) -> int:  # pragma: no cover
-        raise NotImplementedError
+    def logits(self) -> np.ndarray:  # type: ignore[override]
+        if self._logits is None:
+            self._logits = self._fetch()
+        return self._logits
 
 
-class GraphExecutor(_GpuExecutor):
-    """Discrete kernels replayed as one CUDA graph per step (``discrete/``)."""
+class GraphExecutor(Executor):
+    """Discrete kernels replayed as one CUDA graph per step (``discrete.step.DecodeStep``).
+
+    Weights: a ``SyntheticWeights`` source is materialised directly in GPU memory (seconds for the 27B);
+    any other WeightSource is uploaded tensor by tensor. One session slot (its state stays resident; other
+    conversations restore from snapshots). Prefill runs eager M ≤ 8-row passes; decode replays the captured
+    M = 1 graph, whose finish kernel advances the device-side control block. Raises ExecutorUnavailable
+    without a GPU."""
 
     name = "graph"
-    module = "discrete's graph runtime"
+
+    def __init__(self, weights, capacity: int, slots: int = 1):
+        check_kind(self.name)
+        from discrete.step import DecodeStep
+        from discrete.weights_gpu import WeightsGPU
+        from loader.synthetic import SyntheticWeights
+
+        cfg: ModelConfig = weights.config
+        t0 = time.perf_counter()
+        synthetic = isinstance(weights, SyntheticWeights)
+        wg = WeightsGPU.from_synthetic(weights) if synthetic else WeightsGPU.from_source(weights)
+        self.cfg, self.capacity, self.slots = cfg, int(capacity), 1
+        self.dstep = DecodeStep(cfg, wg, self.capacity, m_rows=1, debug_logits=True)
+        self.load_s = time.perf_counter() - t0
+        self.detail = (f"graph: discrete kernels, one CUDA graph per step; weights "
+                       f"{'materialised on the GPU' if synthetic else 'uploaded'} in {self.load_s:.1f} s; "
+                       f"prefill = eager passes of {MAX_PREFILL_ROWS} rows")
+        self._captured = False
+
+    def reset(self, slot: int = 0) -> None:
+        self._check_slot(slot)
+        self.dstep.reset(pos=0)
+
+    def select(self, slot: int) -> None:
+        self._check_slot(slot)
+
+    @property
+    def position(self) -> int:
+        return int(self.dstep.pos)
+
+    def _out(self) -> StepOutput:
+        tok = self.dstep.read_token()
+        fetch = lambda: np.asarray(self.dstep.buffer("logits"))[-1]  # noqa: E731
+        if not 0 <= tok < FIRST_PADDING_ID:  # defensive: the device argmax must never pick a padding id
+            tok = None
+        return _DeviceStepOutput(tok, fetch)
+
+    def prefill(self, ids: Sequence[int]) -> StepOutput:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        for s in range(0, ids.size, MAX_PREFILL_ROWS):
+            self.dstep.run_eager(ids[s:s + MAX_PREFILL_ROWS])
+        return self._out()
+
+    def step(self, token: int) -> StepOutput:
+        if not self._captured:  # capture once, after the eager prefill has loaded every module
+            self.dstep.capture()
+            self._captured = True
+        self.dstep.replay([int(token)])
+        return self._out()
+
+    def state_snapshot(self) -> Any:
+        """Device copies of the GDN recurrent state and conv rings plus the position (KV rows below the
+        position are never rewritten later). Snapshots are taken on the executor's stream."""
+        d = self.dstep
+        with d.stream:
+            return {"pos": d.pos, "rec": {i: a.copy() for i, a in d.rec.items()},
+                    "ring": {i: a.copy() for i, a in d.ring.items()}}
+
+    def state_restore(self, snap: Any) -> None:
+        d = self.dstep
+        c = d.control()
+        c["pos"] = snap["pos"]
+        d.write_control(c)
+        with d.stream:
+            for i, a in snap["rec"].items():
+                d.rec[i][...] = a
+            for i, a in snap["ring"].items():
+                d.ring[i][...] = a
 
 
-class MegakernelExecutor(_GpuExecutor):
+class MegakernelExecutor(Executor):
     """The persistent cooperative kernel running the assembled program (``megakernel/``)."""
 
     name = "megakernel"
-    module = "megakernel's runtime"
+
+    def __init__(self, weights, capacity: int, slots: int = 1):
+        check_kind(self.name)
+        try:
+            from megakernel.runner import Megakernel  # noqa: F401
+        except ImportError as e:
+            raise ExecutorUnavailable(f"megakernel executor is not available in this build ({e}); "
+                                      "use --executor graph") from e
+        raise ExecutorUnavailable("megakernel executor: not wired into the host loop yet; use --executor graph")
 
 
 def make_executor(kind: str, weights, capacity: int, slots: int = 4) -> Executor:
