@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from loader.config import ModelConfig
+from loader.config import FIRST_PADDING_ID, ModelConfig
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 CUDA_INCLUDE_CANDIDATES = ("/usr/local/cuda/include",)
@@ -25,6 +25,7 @@ def config_defines(cfg: ModelConfig) -> dict[str, int]:
         "QMK_HIDDEN": cfg.hidden_size,
         "QMK_FFN": cfg.intermediate_size,
         "QMK_VOCAB": cfg.vocab_size,
+        "QMK_VALID_VOCAB": min(cfg.vocab_size, FIRST_PADDING_ID),  # greedy/top-k never pick padding ids
         "QMK_N_Q_HEADS": cfg.num_attention_heads,
         "QMK_N_KV_HEADS": cfg.num_key_value_heads,
         "QMK_HEAD_DIM": cfg.head_dim,

@@ -14,6 +14,9 @@
 #define QMK_TOPK 32  // candidates kept; QMK_TOPK² must be a power of two ≤ 1024 (one merge block)
 #endif
 #ifndef QMK_LMH_WARPS
+#ifndef QMK_VALID_VOCAB
+#define QMK_VALID_VOCAB QMK_VOCAB  // ids past it are padding rows (discrete.build.config_defines sets it)
+#endif
 #define QMK_LMH_WARPS 8  // 256-thread blocks, 128 rows each: ~1,940 blocks, scheduled dynamically
 #endif
 #ifndef QMK_LMH_MIN_BLOCKS
@@ -70,8 +73,10 @@ __device__ __forceinline__ void qmk_lm_head_block(const qmk_u16* W, const qmk_u1
         const int m = 2 * c + j;
         if (m < M) {
             const qmk_u16 h0 = qmk_f2bf(acc[j]), h1 = qmk_f2bf(acc[2 + j]);
-            sk[m][QMK_ROW_TILE * warp + g] = qmk_logit_key(h0, row0 + g);
-            sk[m][QMK_ROW_TILE * warp + g + 8] = qmk_logit_key(h1, row0 + g + 8);
+            // padding rows (ids >= QMK_VALID_VOCAB) get key 0, below every real logit: never chosen
+            sk[m][QMK_ROW_TILE * warp + g] = row0 + g < QMK_VALID_VOCAB ? qmk_logit_key(h0, row0 + g) : 0ull;
+            sk[m][QMK_ROW_TILE * warp + g + 8] =
+                row0 + g + 8 < QMK_VALID_VOCAB ? qmk_logit_key(h1, row0 + g + 8) : 0ull;
             if (logits) {
                 logits[(size_t)m * V + row0 + g] = h0;
                 logits[(size_t)m * V + row0 + g + 8] = h1;

@@ -12,7 +12,9 @@ import pytest
 
 from assembler.ref import ops as ref
 from assembler.ref.numerics import BF16, f32
-from loader.config import preset
+from loader.config import FIRST_PADDING_ID, preset
+
+VALID = FIRST_PADDING_ID  # the defined vocabulary; ids past it are padding rows
 from tests.gpu.test_gemv import MAXM, assert_close, close_mask, rand_bf16, seed_of
 
 cp = pytest.importorskip("cupy")
@@ -71,10 +73,11 @@ def test_lm_head(gpu, pname):
     bumped[1, 7] += 2
     assert not close_mask(bumped, want).all(), "planted 2-ulp error passed"
 
-    # argmax / value exact against the reference argmax of the GPU's logits; top-k exact
-    assert np.array_equal(ids, ref.argmax(logits.view(BF16)))
+    # argmax / value exact against the reference argmax of the GPU's logits over the defined vocabulary
+    # (padding ids >= FIRST_PADDING_ID are never chosen); top-k exact
+    assert np.array_equal(ids, ref.argmax(logits.view(BF16)[:, :VALID]))
     assert np.array_equal(vals, logits[np.arange(MAXM), ids])
-    rid, rbits = topk_ref(logits, TOPK)
+    rid, rbits = topk_ref(np.ascontiguousarray(logits[:, :VALID]), TOPK)
     assert np.array_equal(cand[0], rid) and np.array_equal(cand[1], rbits), "top-k candidates differ"
 
     # argmax-only kernel, no logits: same ids; M-row launches bit-identical per row
@@ -99,9 +102,10 @@ def test_lm_head_ties(gpu):
     x_d = cp.asarray(x.view(np.uint16))
     head = LmHead(cfg, w_d)
     bufs = head.buffers()
-    groups = {0: [200_003, 200_001, 5, 200_100], 1: [77_777, 77_778], 2: [131, 130_000, 248_319],
-              3: [248_000, 248_318]}
-    for m, rows in groups.items():
+    groups = {0: [200_003, 200_001, 5, 200_100], 1: [77_777, 77_778], 2: [131, 130_000, 248_076],
+              3: [248_000, 248_018]}
+    padding = {4: [248_077, 248_319], 5: [248_200]}  # dominant padding rows: must never win
+    for m, rows in {**groups, **padding}.items():
         dom = np.where(f32(x[m]) >= 0, 0.5, -0.5).astype(np.float32).astype(BF16).view(np.uint16)
         w_d[cp.asarray(rows)] = cp.asarray(dom)[None, :]
     for topk in (False, True):
@@ -111,6 +115,12 @@ def test_lm_head_ties(gpu):
             assert np.all(logits[m, rows] == logits[m, min(rows)])
             if topk:
                 assert list(cand[0][m][:len(rows)]) == sorted(rows), "tied candidates not in id order"
+        for m, rows in padding.items():
+            lf = f32(logits[m].view(BF16))
+            assert ids[m] < VALID and lf[rows[0]] > lf[ids[m]], \
+                f"row {m}: padding row should dominate the logits yet never be chosen (got {ids[m]})"
+            if topk:
+                assert (cand[0][m] < VALID).all(), "a padding id among the top-k candidates"
 
 
 def test_embed(gpu):
