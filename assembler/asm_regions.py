@@ -1,0 +1,68 @@
+"""What each instruction reads and writes, decoded from its words and the program's tables.
+
+A region is (buffer id, lo, hi) over a per-buffer column space that covers all M rows at once:
+activations [M, W] → columns [0, W); partials [S, M, N] → s·N + row; tokens / next [M] → [0, M);
+state buffers → channels (conv), value heads (recurrent) or KV heads (caches). The scheduler derives waits
+from these regions and the verifier checks them; both read the same decoding so the only thing the verifier
+trusts is what an instruction's words say it touches.
+"""
+from __future__ import annotations
+
+from assembler.isa import Instruction, Opcode, sub_parts
+
+
+def _buf(prog, name: str) -> int:
+    return prog.buffer_id[name]
+
+
+def regions(prog, ins: Instruction) -> tuple[list, list, list]:
+    """(reads, writes, state) region lists of ``ins`` in program ``prog``. State regions are read and
+    written by the same instruction (recurrent state, conv state, KV cache). Raises ValueError for an
+    instruction whose fields do not fit its op."""
+    g, cfg = prog.graph, prog.graph.cfg
+    op = g.ops[ins.op]
+    r0, r1 = ins.row_start, ins.row_end
+    W = lambda b: prog.buffers[b].shape[-1]
+    if not 0 <= r0 < r1:
+        raise ValueError(f"instruction {ins}: empty or negative row range [{r0}, {r1})")
+    if ins.opcode == Opcode.EMBED:
+        return [(ins.buf0, 0, g.m)], [(ins.buf1, 0, W(ins.buf1))], []
+    if ins.opcode == Opcode.ARGMAX:
+        return [(ins.buf0, 0, W(ins.buf0))], [(ins.buf1, 0, g.m)], []
+    if ins.opcode in (Opcode.GEMV, Opcode.GEMV_REDUCE):
+        _, seg_i = prog.weight_segment[ins.w0]
+        seg = op.segments[seg_i]
+        if r1 > seg.n_out:
+            raise ValueError(f"{op.name}: rows [{r0}, {r1}) exceed segment {seg_i} with {seg.n_out} rows")
+        reads, writes = [], []
+        pro, epi = sub_parts(ins.sub)
+        R = 2 * seg.n_out if epi == "swiglu" else seg.n_out         # partial columns: rows of the fused matrix
+        prow = [(r0, r1), (seg.n_out + r0, seg.n_out + r1)] if epi == "swiglu" else [(r0, r1)]
+        if ins.opcode == Opcode.GEMV:
+            srcs = [b for b in (ins.buf0, ins.buf4) if b >= 0]
+            reads += [(b, 0, W(b)) for b in srcs]
+            if ins.buf5 >= 0:  # the normalised input, written once per step by the op's first slice
+                writes.append((ins.buf5, 0, W(ins.buf5)))
+            if ins.nsplit > 1:
+                writes += [(ins.buf3, ins.split * R + a, ins.split * R + b) for a, b in prow]
+        else:
+            reads += [(ins.buf3, s * R + a, s * R + b) for s in range(ins.nsplit) for a, b in prow]
+        if ins.opcode == Opcode.GEMV_REDUCE or ins.nsplit == 1:
+            writes.append((ins.buf1, r0, r1))
+            if epi == "residual":
+                reads.append((ins.buf2, r0, r1))
+        return reads, writes, []
+    if ins.opcode == Opcode.GDN_STEP:
+        dk, dv, grp, kd = (cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.gdn_head_group, cfg.gdn_key_dim)
+        chans = [(r0 * dk, r1 * dk), (kd + r0 * dk, kd + r1 * dk), (2 * kd + r0 * grp * dv, 2 * kd + r1 * grp * dv)]
+        vcols = (r0 * grp * dv, r1 * grp * dv)
+        reads = [(ins.buf0, a, b) for a, b in chans] + [(ins.buf1, *vcols), (ins.buf2, 0, W(ins.buf2))]
+        state = [(ins.buf4, a, b) for a, b in chans] + [(ins.buf5, r0 * grp, r1 * grp)]
+        return reads, [(ins.buf3, *vcols)], state
+    if ins.opcode == Opcode.ATTN:
+        hd, grp = cfg.head_dim, cfg.gqa_group
+        reads = [(ins.buf0, r0 * grp * 2 * hd, r1 * grp * 2 * hd), (ins.buf1, r0 * hd, r1 * hd),
+                 (ins.buf2, r0 * hd, r1 * hd)]
+        state = [(ins.buf4, r0, r1), (ins.buf5, r0, r1)]
+        return reads, [(ins.buf3, r0 * grp * hd, r1 * grp * hd)], state
+    raise ValueError(f"regions: opcode {ins.opcode} has no regions")

@@ -1,0 +1,180 @@
+"""The instruction set: one source of truth for Python (assembler, CPU VM) and CUDA (megakernel).
+
+An instruction is ``WORDS`` int32 words; the field order of :class:`Instruction` is the word layout (the wait
+list occupies the last ``3 × MAX_WAITS`` words as counter / expected-per-step / offset triples). A wait is
+satisfied when ``counter ≥ step × expected + offset`` (step counts from 1; counters are monotonic and never
+reset, DESIGN.md). Opcode 0 is NOP. ``python3 -m assembler.isa --write`` regenerates
+``megakernel/include/isa.h`` (opcodes, field offsets, word count, table layouts); a test fails when the
+committed header is stale.
+
+Opcodes (what each fuses; its waits come from the scheduler, its bump is its own completion counter):
+  EMBED        rows of the embedding table for ``tokens`` → x.0 (buf0 = tokens, buf1 = out). Waits on the
+               previous step's ARGMAX (offset −1): the step-end edge that orders SSA buffers across steps.
+  GEMV         split ``split`` of ``nsplit`` for output rows [row_start, row_end) of weight w0; prologue per
+               ``sub``: none (input buf0), RMSNorm of buf0 with weight w1, or the MTP concat
+               [norm(buf0; w1), norm(buf4; w1+1)]; nsplit == 1: epilogue store / residual (buf2) / swiglu
+               (gate row r, up row F + r of the fused w0) into buf1; nsplit > 1: fp32 partials into buf3.
+               buf5 ≥ 0 (first slice of the head only): also store the normalised input there.
+  GEMV_REDUCE  fixed-order reduce of the partials buf3 for rows [row_start, row_end) + epilogue into buf1.
+  GDN_STEP     key heads [row_start, row_end) of layer ``layer``: in_proj_a/b (RMSNorm prologue of buf2), conv
+               step, l2norm, gates, delta rule on the recurrent state, gated norm → buf3 (= o).
+               buf0 = qkv, buf1 = z, buf4 = conv state, buf5 = recurrent state.
+  ATTN         KV heads [row_start, row_end): q/k norm, partial RoPE, KV append, split-KV decode, sigmoid gate
+               → buf3 (= o). buf0 = q|gate, buf1 = k, buf2 = v, buf4 = K cache, buf5 = V cache.
+  ARGMAX       greedy token per row of the logits buf0 → buf1 (lowest id on ties).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+MAX_WAITS = 4
+WORDS = 32
+HEADER = Path(__file__).resolve().parents[1] / "megakernel" / "include" / "isa.h"
+
+
+class Opcode(enum.IntEnum):
+    NOP = 0
+    EMBED = 1
+    GEMV = 2
+    GEMV_REDUCE = 3
+    GDN_STEP = 4
+    ATTN = 5
+    ARGMAX = 6
+
+
+class Sub(enum.IntFlag):
+    """Bits of the ``sub`` word: prologue (low 4 bits) and epilogue (next 4 bits) of GEMV / GEMV_REDUCE."""
+    PRO_NONE = 0
+    PRO_RMSNORM = 1
+    PRO_MTP_CONCAT = 2
+    EPI_STORE = 0 << 4
+    EPI_RESIDUAL = 1 << 4
+    EPI_SWIGLU = 2 << 4
+
+
+PROLOGUES = {"none": 0, "rmsnorm": 1, "mtp_concat": 2}
+EPILOGUES = {"store": 0, "residual": 1, "swiglu": 2}
+
+
+def sub_word(prologue: str, epilogue: str) -> int:
+    """Pack prologue/epilogue names into the ``sub`` word. Raises KeyError naming an unknown form."""
+    return PROLOGUES[prologue] | (EPILOGUES[epilogue] << 4)
+
+
+def sub_parts(sub: int) -> tuple[str, str]:
+    """Inverse of :func:`sub_word`."""
+    pro = {v: k for k, v in PROLOGUES.items()}[sub & 15]
+    epi = {v: k for k, v in EPILOGUES.items()}[(sub >> 4) & 15]
+    return pro, epi
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """One instruction; the field order is the word order. Unused buffer/weight fields are −1.
+
+    layer: decoder layer (num_hidden_layers for the MTP layer, −1 for none); m: activation rows (1..8);
+    row_start/row_end: output rows (GEMV family, local to weight w0) or head range (GDN_STEP, ATTN);
+    split/nsplit: split-K index and factor; buf0..buf5: buffer-table ids; w0, w1: weight-table ids;
+    bump: counter id this instruction adds ``bump_by`` to when done; waits: (counter, expected, offset)."""
+    opcode: int
+    layer: int = -1
+    sub: int = 0
+    m: int = 1
+    row_start: int = 0
+    row_end: int = 0
+    split: int = 0
+    nsplit: int = 1
+    buf0: int = -1
+    buf1: int = -1
+    buf2: int = -1
+    buf3: int = -1
+    buf4: int = -1
+    buf5: int = -1
+    w0: int = -1
+    w1: int = -1
+    op: int = -1
+    bump: int = -1
+    bump_by: int = 1
+    nwaits: int = 0
+    waits: tuple[tuple[int, int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.waits) > MAX_WAITS:
+            raise ValueError(f"Instruction: {len(self.waits)} waits exceed MAX_WAITS={MAX_WAITS}")
+        if self.nwaits != len(self.waits):
+            object.__setattr__(self, "nwaits", len(self.waits))
+        Opcode(self.opcode)
+
+    def words(self) -> np.ndarray:
+        """The int32 words of this instruction (length ``WORDS``)."""
+        w = np.zeros(WORDS, np.int32)
+        head = [getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "waits"]
+        w[:len(head)] = head
+        for j, (c, e, o) in enumerate(self.waits):
+            w[WAITS_OFFSET + 3 * j:WAITS_OFFSET + 3 * j + 3] = (c, e, o)
+        return w
+
+    @classmethod
+    def from_words(cls, w: np.ndarray) -> "Instruction":
+        """Decode ``WORDS`` int32 words. Raises ValueError for a wrong length or an unknown opcode."""
+        w = np.asarray(w)
+        if w.shape != (WORDS,):
+            raise ValueError(f"Instruction.from_words: expected {WORDS} words, got shape {w.shape}")
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "waits"]
+        kw = {n: int(w[i]) for i, n in enumerate(names)}
+        kw["waits"] = tuple(tuple(int(v) for v in w[WAITS_OFFSET + 3 * j:WAITS_OFFSET + 3 * j + 3])
+                            for j in range(kw["nwaits"]))
+        return cls(**kw)
+
+
+FIELDS = [f.name for f in dataclasses.fields(Instruction) if f.name != "waits"]
+WAITS_OFFSET = WORDS - 3 * MAX_WAITS
+assert len(FIELDS) <= WAITS_OFFSET, "instruction header overlaps the wait list"
+
+# Tables the megakernel reads besides the instruction words.
+BUFFER_DTYPE = np.dtype([("offset", "<i8"), ("nbytes", "<i8"), ("kind", "<i4"), ("dtype", "<i4"),
+                         ("rows", "<i4"), ("cols", "<i4")], align=True)
+COUNTER_DTYPE = np.dtype([("expected", "<i4"), ("bumpers", "<i4"), ("op", "<i4"), ("group", "<i4")], align=True)
+BUFFER_KINDS = {"act": 0, "partial": 1, "io": 2, "state": 3}
+BUFFER_DTYPES = {"bf16": 0, "f32": 1, "i32": 2}
+
+
+def _struct(name: str, dt: np.dtype) -> list[str]:
+    ct = {"<i4": "int32_t", "<i8": "int64_t"}
+    out = [f"struct {name} {{"] + [f"  {ct[dt.fields[n][0].str]} {n};" for n in dt.names] + ["};"]
+    out.append(f"static_assert(sizeof({name}) == {dt.itemsize}, \"{name} size\");")
+    out += [f"static_assert(__builtin_offsetof({name}, {n}) == {dt.fields[n][1]}, \"{name} layout\");" for n in dt.names]
+    return out
+
+
+def c_header() -> str:
+    """The generated C header text."""
+    L = ["// generated by `python3 -m assembler.isa --write` from assembler/isa.py; do not edit", "#pragma once",
+         "#include <cuda/std/cstdint>", "",
+         "// An instruction is QMK_ISA_WORDS int32 words: fields at QMK_F_* offsets, then QMK_ISA_MAX_WAITS",
+         "// (counter, expected, offset) triples from QMK_ISA_WAITS_OFFSET; wait until counter >= step*expected+offset.",
+         f"#define QMK_ISA_WORDS {WORDS}", f"#define QMK_ISA_MAX_WAITS {MAX_WAITS}",
+         f"#define QMK_ISA_WAITS_OFFSET {WAITS_OFFSET}", ""]
+    L += [f"#define QMK_OP_{op.name} {int(op)}" for op in Opcode] + [""]
+    L += [f"#define QMK_F_{n.upper()} {i}" for i, n in enumerate(FIELDS)] + [""]
+    L += [f"#define QMK_PRO_{k.upper()} {v}" for k, v in PROLOGUES.items()]
+    L += [f"#define QMK_EPI_{k.upper()} {v}" for k, v in EPILOGUES.items()] + [""]
+    L += [f"#define QMK_BUF_{k.upper()} {v}" for k, v in BUFFER_KINDS.items()]
+    L += [f"#define QMK_DT_{k.upper()} {v}" for k, v in BUFFER_DTYPES.items()] + [""]
+    L += _struct("QmkBuffer", BUFFER_DTYPE) + [""] + _struct("QmkCounter", COUNTER_DTYPE)
+    return "\n".join(L) + "\n"
+
+
+if __name__ == "__main__":
+    if "--write" in sys.argv:
+        HEADER.parent.mkdir(parents=True, exist_ok=True)
+        HEADER.write_text(c_header())
+        print(f"wrote {HEADER}")
+    else:
+        print(c_header(), end="")

@@ -1,0 +1,169 @@
+"""An assembled program: per-SM instruction lists packed as ``[num_sms, max_len, WORDS]`` int32, the counter
+table, the buffer table and the weight table; text / JSON dumps and stats.
+
+Stats: instructions and bytes per SM, byte imbalance ((max − mean) / mean), number of waits, and an estimated
+critical path: each instruction streams its bytes at the SM's share of the measured 4,468 GB/s
+(``shared/spec/h200.md``: HBM read bandwidth) and starts when its SM is free and its waits are met. It is an
+estimate (no latency, no L2, no counter cost), meant for comparing schedules.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from assembler.graph import Buffer, Graph
+from assembler.isa import (BUFFER_DTYPE, BUFFER_DTYPES, BUFFER_KINDS, COUNTER_DTYPE, FIELDS, WORDS, Instruction,
+                           Opcode, sub_parts)
+
+HBM_BYTES_PER_S = 4468e9  # measured, shared/spec/h200.md
+ARENA_ALIGN = 256
+
+
+@dataclass(frozen=True)
+class Counter:
+    """A monotonic completion counter: ``expected`` bumps per step from the instructions of (op, stage, group)."""
+    name: str
+    op: int
+    stage: str
+    group: int
+    expected: int
+
+
+@dataclass
+class Program:
+    """Per-SM instruction lists plus the tables they index. Built by ``assembler.scheduler.schedule``."""
+    graph: Graph
+    num_sms: int
+    sm_lists: list[list[Instruction]]
+    counters: list[Counter]
+    weights: list[tuple[str, ...]]
+    weight_segment: dict[int, tuple[int, int]]
+    item_bytes: list[list[int]]
+    buffers: list[Buffer] = field(default_factory=list)
+    buffer_id: dict[str, int] = field(default_factory=dict)
+    stage_of: dict = field(default_factory=dict)   # (sm, index) → assembly stage (global topological order)
+
+    # ------------------------------------------------------------------ packed form
+    def words(self) -> np.ndarray:
+        """int32 [num_sms, max_len, WORDS]; lists shorter than max_len are padded with NOP (opcode 0)."""
+        n = max((len(l) for l in self.sm_lists), default=0)
+        out = np.zeros((self.num_sms, max(n, 1), WORDS), np.int32)
+        for s, lst in enumerate(self.sm_lists):
+            for j, ins in enumerate(lst):
+                out[s, j] = ins.words()
+        return out
+
+    def buffer_table(self) -> np.ndarray:
+        """BUFFER_DTYPE [n_buffers]: arena offsets (256-byte aligned) for act/partial/io; state buffers get
+        offset −1 (they live in the session pool, placed by the host)."""
+        t = np.zeros(len(self.buffers), BUFFER_DTYPE)
+        off = 0
+        for i, b in enumerate(self.buffers):
+            rows = b.shape[0] if len(b.shape) > 1 else 1
+            t[i] = (-1 if b.kind == "state" else off, b.nbytes, BUFFER_KINDS[b.kind], BUFFER_DTYPES[b.dtype],
+                    rows, b.shape[-1])
+            if b.kind != "state":
+                off += -(-b.nbytes // ARENA_ALIGN) * ARENA_ALIGN
+        return t
+
+    def counter_table(self) -> np.ndarray:
+        """COUNTER_DTYPE [n_counters]."""
+        t = np.zeros(len(self.counters), COUNTER_DTYPE)
+        for i, c in enumerate(self.counters):
+            t[i] = (c.expected, c.expected, c.op, c.group)
+        return t
+
+    # ------------------------------------------------------------------ partition as data
+    def slices(self, op_name: str, stage: str = "main") -> list[tuple[int, int, int, int, int]]:
+        """The partition of an op: (sm, row_start, row_end, split_index, segment) per instruction, in SM order.
+
+        ``stage`` is "main" (GEMV partials / direct outputs, GDN / attention heads) or "reduce". Rows are
+        local to the segment (weight w0) for GEMV ops and head ranges for GDN / attention. The discrete kernels
+        launch one block per slice of this same list. Raises KeyError for an unknown op."""
+        oi = self.graph.ops.index(self.graph.op(op_name))
+        want = Opcode.GEMV_REDUCE if stage == "reduce" else None
+        out = []
+        for s, lst in enumerate(self.sm_lists):
+            for ins in lst:
+                if ins.op != oi or (want is not None) != (ins.opcode == Opcode.GEMV_REDUCE):
+                    continue
+                seg = self.weight_segment[ins.w0][1] if ins.w0 >= 0 and ins.w0 in self.weight_segment else 0
+                out.append((s, ins.row_start, ins.row_end, ins.split, seg))
+        return out
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict:
+        """Instructions / bytes per SM, imbalance, waits, estimated critical path (see module docstring)."""
+        nb = np.array([sum(b) for b in self.item_bytes], np.float64)
+        ni = np.array([len(l) for l in self.sm_lists])
+        mean = float(nb.mean()) if nb.size else 0.0
+        per_sm_bw = HBM_BYTES_PER_S / self.num_sms
+        sm_t = np.zeros(self.num_sms)
+        done_t = np.zeros(len(self.counters))
+        left = np.array([c.expected for c in self.counters])
+        order = self._global_order()
+        for s, j in order:
+            ins = self.sm_lists[s][j]
+            start = max([sm_t[s]] + [done_t[c] for c, _, o in ins.waits if o == 0])
+            sm_t[s] = start + self.item_bytes[s][j] / per_sm_bw
+            if ins.bump >= 0:
+                done_t[ins.bump] = max(done_t[ins.bump], sm_t[s])
+                left[ins.bump] -= 1
+        return {"num_sms": self.num_sms, "instructions": int(ni.sum()), "max_len": int(ni.max(initial=0)),
+                "bytes_total": int(nb.sum()), "bytes_mean": mean, "bytes_max": float(nb.max(initial=0)),
+                "bytes_min": float(nb.min()) if nb.size else 0.0,
+                "imbalance": (float(nb.max()) - mean) / mean if mean else 0.0,
+                "waits": int(sum(i.nwaits for l in self.sm_lists for i in l)), "counters": len(self.counters),
+                "est_critical_path_ms": float(sm_t.max(initial=0)) * 1e3,
+                "floor_ms": float(nb.sum()) / HBM_BYTES_PER_S * 1e3}
+
+    def _global_order(self) -> list[tuple[int, int]]:
+        """(sm, index) of every instruction in stage order (the order the scheduler assembled them)."""
+        keys = []
+        for s, lst in enumerate(self.sm_lists):
+            for j, ins in enumerate(lst):
+                keys.append((self.stage_of[(s, j)], s, j))
+        return [(s, j) for _, s, j in sorted(keys)]
+
+    # ------------------------------------------------------------------ dumps
+    def _ins_text(self, ins: Instruction) -> str:
+        """One line: opcode, op, slice, buffers, bump and waits (``counter>=s*expected±offset``)."""
+        op = self.graph.ops[ins.op]
+        b = lambda i: self.buffers[i].name if i >= 0 else "-"
+        name = Opcode(ins.opcode).name
+        if ins.opcode in (Opcode.GEMV, Opcode.GEMV_REDUCE):
+            pro, epi = sub_parts(ins.sub)
+            partial = ins.opcode == Opcode.GEMV and ins.nsplit > 1
+            body = (f"{op.name} seg{self.weight_segment[ins.w0][1]} rows[{ins.row_start}:{ins.row_end}] "
+                    f"split {ins.split}/{ins.nsplit} {pro}/{epi} in={b(ins.buf0)} out={b(ins.buf3 if partial else ins.buf1)}")
+        elif ins.opcode in (Opcode.GDN_STEP, Opcode.ATTN):
+            body = f"{op.name} heads[{ins.row_start}:{ins.row_end}]"
+        else:
+            body = op.name
+        waits = " ".join(f"{self.counters[c].name}>=s*{e}{'%+d' % o if o else ''}" for c, e, o in ins.waits)
+        bump = self.counters[ins.bump].name if ins.bump >= 0 else "-"
+        return f"{name:11s} {body} | bump {bump}" + (f" | wait {waits}" if waits else "")
+
+    def to_text(self) -> str:
+        """Diffable dump: header, counters, then each SM's list (one instruction per line)."""
+        g = self.graph
+        L = [f"# program {g.cfg.name} kind={g.kind} m={g.m} sms={self.num_sms} ops={len(g.ops)}"]
+        L += [f"counter {i} {c.name} expected={c.expected}" for i, c in enumerate(self.counters)]
+        for s, lst in enumerate(self.sm_lists):
+            L.append(f"sm {s}: {len(lst)} instructions, {sum(self.item_bytes[s])} bytes")
+            L += [f"  {j:4d} {self._ins_text(ins)}" for j, ins in enumerate(lst)]
+        return "\n".join(L) + "\n"
+
+    def to_json(self) -> str:
+        """JSON: tables, per-SM lists of field dicts, and stats."""
+        return json.dumps({
+            "config": self.graph.cfg.name, "kind": self.graph.kind, "m": self.graph.m, "num_sms": self.num_sms,
+            "fields": FIELDS + ["waits"],
+            "buffers": [{"name": b.name, "shape": list(b.shape), "dtype": b.dtype, "kind": b.kind} for b in self.buffers],
+            "weights": [list(w) for w in self.weights],
+            "counters": [c.__dict__ for c in self.counters],
+            "sms": [[{**{f: getattr(i, f) for f in FIELDS}, "waits": [list(w) for w in i.waits]} for i in lst]
+                    for lst in self.sm_lists],
+            "stats": self.stats()}, indent=None)

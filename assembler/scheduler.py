@@ -1,0 +1,275 @@
+"""Cut every op of a graph into per-SM slices, order each SM's list, and derive counter waits.
+
+Partition (DESIGN.md, "both paths share the work partition"): a GEMV op is a sequence of units (one 16-row
+tile of one split of one segment, in group → segment range → split → tile order); units are handed out as
+contiguous runs so that each SM's cumulative bytes approach the mean (water filling: an SM that carried a
+heavy GDN / attention slice gets fewer GEMV rows next). Split-K comes from ``assembler.numerics.split_k`` via
+the graph, never from the SM count. GDN steps (per key head), attention (per KV head), embed and argmax are
+whole items given to the least-loaded SM.
+
+Order: stages in graph order (GEMV partials, then their reduce), so every wait points at an earlier stage:
+no SM ever waits on work later in its own list, and one complete simulation proves every interleaving
+deadlock-free (``assembler/verify.py``).
+
+Counters: one per (op, stage, output group), bumped once per instruction; a wait needs ``step × expected``.
+Waits are the minimal set that makes every producer of every byte an instruction reads known-complete
+(vector clocks over the per-SM prefixes), so removing any one wait leaves a read unordered.
+"""
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+
+from assembler.asm_regions import regions
+from assembler.graph import Graph, Op
+from assembler.isa import MAX_WAITS, Instruction, Opcode, sub_word
+from assembler.numerics import ROW_TILE
+from assembler.program import Counter, Program
+
+
+def _gemv_units(op: Op, reduce: bool) -> np.ndarray:
+    """float64 [U, 6] units (group, seg, split, row0, row1, bytes) of a GEMV op's main or reduce stage."""
+    out = []
+    for gi, grp in enumerate(op.groups):
+        for seg_i, a, b in grp:
+            seg = op.segments[seg_i]
+            if reduce and seg.split == 1:
+                continue
+            r = np.arange(a, b, ROW_TILE)
+            nb = ROW_TILE * seg.split * 4 * 2 if reduce else ROW_TILE * seg.row_bytes // seg.split
+            for s in ([0] if reduce else range(seg.split)):
+                u = np.empty((r.size, 6), np.float64)
+                u[:, 0], u[:, 1], u[:, 2], u[:, 3], u[:, 4], u[:, 5] = gi, seg_i, s, r, np.minimum(r + ROW_TILE, b), nb
+                out.append(u)
+    return np.concatenate(out) if out else np.zeros((0, 6))
+
+
+def _water_fill(load: np.ndarray, costs: np.ndarray) -> np.ndarray:
+    """SM of each unit: contiguous runs; SM i's share is proportional to its deficit below the new mean."""
+    n, total = load.size, float(costs.sum())
+    target = (load.sum() + total) / n
+    d = np.maximum(target - load, 0.0)
+    quota = d / d.sum() * total if d.sum() > 0 else np.full(n, total / n)
+    mid = np.cumsum(costs) - costs / 2
+    return np.minimum(np.searchsorted(np.cumsum(quota), mid, side="right"), n - 1)
+
+
+class _Builder:
+    def __init__(self, graph: Graph, num_sms: int):
+        self.g, self.n = graph, num_sms
+        self.load = np.zeros(num_sms)
+        self.lists: list[list[dict]] = [[] for _ in range(num_sms)]
+        self.counters: list[Counter] = []
+        self.ctr_id: dict = {}
+        self.weights: list[tuple[str, ...]] = []
+        self.wid: dict = {}
+        self.weight_segment: dict[int, tuple[int, int]] = {}
+        self.stage = 0
+
+    def counter(self, op_i: int, stage: str, group: int) -> int:
+        key = (op_i, stage, group)
+        if key not in self.ctr_id:
+            self.ctr_id[key] = len(self.counters)
+            self.counters.append(Counter(f"{self.g.ops[op_i].name}.{stage}{group}", op_i, stage, group, 0))
+        return self.ctr_id[key]
+
+    def weight(self, names: tuple[str, ...], seg: tuple[int, int] | None = None) -> int:
+        if names not in self.wid:
+            self.wid[names] = len(self.weights)
+            self.weights.append(names)
+        if seg is not None:
+            self.weight_segment[self.wid[names]] = seg
+        return self.wid[names]
+
+    def emit(self, sm: int, nbytes: int, ctr: int, **f) -> None:
+        self.lists[sm].append({"stage": self.stage, "ctr": ctr, "bytes": nbytes, "f": f})
+        self.load[sm] += nbytes
+
+    def whole(self) -> int:
+        """The least-loaded SM (lowest index on ties) for an item that is not cut."""
+        return int(np.argmin(self.load))
+
+    # ------------------------------------------------------------------ ops
+    def add_op(self, oi: int, op: Op) -> None:
+        b = self.g.buffers
+        bid = self.buffer_id
+        m = self.g.m
+        L = op.layer
+        if op.kind == "embed":
+            self.stage += 1
+            self.emit(self.whole(), op.bytes, self.counter(oi, "out", 0), opcode=Opcode.EMBED, layer=L,
+                      m=m, row_start=0, row_end=1, buf0=bid[op.reads[0]], buf1=bid[op.writes[0]], op=oi)
+        elif op.kind == "argmax":
+            self.stage += 1
+            self.emit(self.whole(), op.bytes, self.counter(oi, "out", 0), opcode=Opcode.ARGMAX, layer=L,
+                      m=m, row_start=0, row_end=1, buf0=bid[op.reads[0]], buf1=bid[op.writes[0]], op=oi)
+        elif op.kind in ("gdn_step", "attn"):
+            self.stage += 1
+            per = op.bytes // len(op.groups)
+            for gi, (h0, h1) in enumerate(op.groups):
+                sm = self.whole()
+                if op.kind == "gdn_step":
+                    f = dict(opcode=Opcode.GDN_STEP, buf0=bid[op.reads[0]], buf1=bid[op.reads[1]],
+                             buf2=bid[op.reads[2]], buf3=bid[op.writes[0]], buf4=bid[op.state[0]],
+                             buf5=bid[op.state[1]], w1=self.weight((op.norm[1],)))
+                else:
+                    f = dict(opcode=Opcode.ATTN, buf0=bid[op.reads[0]], buf1=bid[op.reads[1]], buf2=bid[op.reads[2]],
+                             buf3=bid[op.writes[0]], buf4=bid[op.state[0]], buf5=bid[op.state[1]])
+                # one counter for all heads: every consumer (the out/o projection) reads the whole output
+                self.emit(sm, per, self.counter(oi, "out", 0), layer=L, m=m, row_start=h0, row_end=h1, op=oi, **f)
+        elif op.kind == "gemv":
+            self.add_gemv(oi, op)
+        else:
+            raise ValueError(f"scheduler: op {op.name} has unknown kind {op.kind!r}")
+
+    def add_gemv(self, oi: int, op: Op) -> None:
+        bid, m = self.buffer_id, self.g.m
+        if not op.norm:
+            pro, src, src2, w1 = "none", bid[op.reads[0]], -1, -1
+        elif isinstance(op.norm[0], tuple):
+            (e, we), (h, wh) = op.norm
+            pro, src, src2 = "mtp_concat", bid[e], bid[h]
+            w1 = self.weight((we,))
+            if self.weight((wh,)) != w1 + 1:
+                raise ValueError(f"scheduler: {op.name}: the two MTP norm weights must be adjacent in the weight table")
+        else:
+            pro, src, src2, w1 = "rmsnorm", bid[op.norm[0]], -1, self.weight((op.norm[1],))
+        for reduce in (False, True):
+            units = _gemv_units(op, reduce)
+            if not len(units):
+                continue
+            self.stage += 1
+            sms = _water_fill(self.load.copy(), units[:, 5])
+            key = np.concatenate([sms[:, None], units[:, :3]], 1)
+            new = np.ones(len(units), bool)
+            new[1:] = np.any(key[1:] != key[:-1], 1) | (units[1:, 3] != units[:-1, 4])
+            starts = np.flatnonzero(new)
+            ends = np.append(starts[1:], len(units))
+            for a, b in zip(starts, ends):
+                gi, si, s = (int(v) for v in units[a, :3])
+                sm, r0, r1, nb = int(sms[a]), int(units[a, 3]), int(units[b - 1, 4]), int(round(units[a:b, 5].sum()))
+                seg = op.segments[si]
+                final = reduce or seg.split == 1
+                f = dict(opcode=Opcode.GEMV_REDUCE if reduce else Opcode.GEMV, layer=op.layer,
+                         sub=sub_word(pro if not reduce else "none", seg.epilogue), m=m, row_start=r0, row_end=r1,
+                         split=s, nsplit=seg.split, buf0=src if not reduce else -1, buf1=bid[seg.out],
+                         buf2=bid[seg.residual] if seg.residual else -1,
+                         buf3=bid[seg.partials] if seg.partials else -1, buf4=src2 if not reduce else -1,
+                         w0=self.weight(seg.parts, (oi, si)), w1=w1 if not reduce else -1, op=oi,
+                         buf5=bid[op.norm_out] if op.norm_out and not reduce and a == 0 else -1)
+                self.emit(sm, nb, self.counter(oi, "out" if final else "part", gi), **f)
+
+
+def schedule(graph: Graph, num_sms: int) -> Program:
+    """Assemble ``graph`` for ``num_sms`` SMs (any count ≥ 1). Raises ValueError for num_sms < 1 or an
+    instruction that would need more than MAX_WAITS waits."""
+    if not isinstance(num_sms, int) or num_sms < 1:
+        raise ValueError(f"schedule: num_sms must be an integer ≥ 1, got {num_sms!r}")
+    bld = _Builder(graph, num_sms)
+    bld.buffer_id = {name: i for i, name in enumerate(graph.buffers)}
+    for oi, op in enumerate(graph.ops):
+        bld.add_op(oi, op)
+    # counters: expected = number of bumpers per step
+    exp = [0] * len(bld.counters)
+    for lst in bld.lists:
+        for it in lst:
+            exp[it["ctr"]] += 1
+    counters = [Counter(c.name, c.op, c.stage, c.group, e) for c, e in zip(bld.counters, exp)]
+    prog = Program(graph, num_sms, [[] for _ in range(num_sms)], counters, bld.weights, bld.weight_segment,
+                   [[it["bytes"] for it in lst] for lst in bld.lists], list(graph.buffers.values()), bld.buffer_id)
+    draft = [[Instruction(**it["f"], bump=it["ctr"]) for it in lst] for lst in bld.lists]
+    prog.stage_of = {(s, j): it["stage"] for s, lst in enumerate(bld.lists) for j, it in enumerate(lst)}
+    prog.sm_lists = draft
+    prog.sm_lists = _add_waits(prog, draft)
+    return prog
+
+
+def _add_waits(prog: Program, draft: list[list[Instruction]]) -> list[list[Instruction]]:
+    """Minimal waits per instruction (see module docstring); the embed also waits on the previous step's
+    argmax (offset −1), which orders every SSA buffer across steps."""
+    n = prog.num_sms
+    order = prog._global_order()
+    writes: dict[int, list] = {}           # buffer → sorted [(lo, hi, sm, j)]
+    vc: dict[tuple[int, int], np.ndarray] = {}
+    bumpers: dict[int, list] = {}
+    for s, j in order:
+        bumpers.setdefault(draft[s][j].bump, []).append((s, j))
+    ctr_stage = {c: max(prog.stage_of[p] for p in b) for c, b in bumpers.items()}
+    cc: dict[int, np.ndarray] = {}
+    need_cache: dict[tuple, dict] = {}
+
+    def clock_of(c: int) -> np.ndarray:
+        if c not in cc:
+            v = np.zeros(n, np.int64)
+            for s, j in bumpers[c]:
+                v = np.maximum(v, vc[(s, j)])
+                v[s] = max(v[s], j + 1)
+            cc[c] = v
+        return cc[c]
+
+    def need_of(b: int, lo: int, hi: int) -> dict:
+        """counter → per-SM prefix length that must be complete to cover every writer of the region."""
+        key = (b, lo, hi)
+        if key not in need_cache:
+            d: dict[int, np.ndarray] = {}
+            lst = writes.get(b, [])
+            k = max(0, bisect.bisect_left(lst, (lo, -1, -1, -1)) - 1)
+            while k < len(lst) and lst[k][0] < hi:
+                if lst[k][1] > lo:
+                    ps, pj = lst[k][2:]
+                    v = d.setdefault(draft[ps][pj].bump, np.zeros(n, np.int64))
+                    v[ps] = max(v[ps], pj + 1)
+                k += 1
+            need_cache[key] = d
+        return need_cache[key]
+
+    out = [list(l) for l in draft]
+    for s, j in order:
+        ins = draft[s][j]
+        reads, wr, _ = regions(prog, ins)
+        need: dict[int, np.ndarray] = {}
+        for r in reads:
+            for c, v in need_of(*r).items():
+                need[c] = np.maximum(need[c], v) if c in need else v
+        base = vc[(s, j - 1)].copy() if j else np.zeros(n, np.int64)
+        if j:
+            base[s] = j
+        cands = sorted((c for c in need if not np.all(base >= need[c])), key=lambda c: -ctr_stage[c])
+
+        def clock(ws):
+            v = base.copy()
+            for c in ws:
+                v = np.maximum(v, clock_of(c))
+            return v
+
+        chosen = []
+        for c in cands:
+            if not np.all(clock(chosen) >= need[c]):
+                chosen.append(c)
+        full = lambda ws: all(np.all(clock(ws) >= v) for v in need.values())
+        for c in list(chosen):
+            if len(chosen) > 1 and full([x for x in chosen if x != c]):
+                chosen.remove(c)
+        assert full(chosen), f"scheduler: could not order the reads of {ins}"
+        vc[(s, j)] = clock(chosen)
+        waits = [(c, prog.counters[c].expected, 0) for c in chosen]
+        for b, lo, hi in wr:
+            bisect.insort(writes.setdefault(b, []), (lo, hi, s, j))
+        if len(waits) > MAX_WAITS:
+            raise ValueError(f"schedule: {prog.graph.ops[ins.op].name} needs {len(waits)} waits > MAX_WAITS={MAX_WAITS}")
+        out[s][j] = Instruction(**{**ins.__dict__, "waits": tuple(waits), "nwaits": len(waits)})
+    # step edge: the embed of step k+1 consumes the token the argmax of step k chose (in the persistent loop
+    # it is that argmax's output), a true read-after-write across steps; it also frees every SSA buffer for
+    # reuse. Program order implies it when the argmax sits on the embed's own SM.
+    am = [c for c, k in enumerate(prog.counters) if prog.graph.ops[k.op].kind == "argmax"]
+    for s, lst in enumerate(out):
+        for j, ins in enumerate(lst):
+            if ins.opcode != Opcode.EMBED:
+                continue
+            w = ins.waits + tuple((c, prog.counters[c].expected, -prog.counters[c].expected) for c in am
+                                  if any(p[0] != s for p in bumpers[c]))
+            if len(w) > MAX_WAITS:
+                raise ValueError(f"schedule: embed needs {len(w)} waits > MAX_WAITS={MAX_WAITS}")
+            lst[j] = Instruction(**{**ins.__dict__, "waits": w, "nwaits": len(w)})
+    return out

@@ -1,0 +1,44 @@
+"""``qwen-mk inspect``: assemble a preset's decode (or verify / MTP) program and print it with its stats."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from loader.config import PRESETS, preset
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)), default="tiny", show_default=True,
+              help="model configuration")
+@click.option("--sms", type=click.IntRange(min=1), default=132, show_default=True, help="SM count (132 on the H200)")
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "stats"]), default="text", show_default=True,
+              help="full dump as text or JSON, or the stats only")
+@click.option("--layer-limit", type=click.IntRange(min=0), default=None, help="keep only the first L layers")
+@click.option("--rows", type=click.IntRange(1, 8), default=1, show_default=True, help="M rows (verify step when > 1)")
+@click.option("--kind", type=click.Choice(["decode", "mtp"]), default="decode", show_default=True)
+@click.option("--verify/--no-verify", "check", default=False, help="also run the static verifier (slow for the 27B)")
+def command(preset_name: str, sms: int, fmt: str, layer_limit: int | None, rows: int, kind: str, check: bool) -> None:
+    """Print the instruction program of one step and its stats (bytes per SM, imbalance, waits, critical path)."""
+    from assembler.graph import mtp_graph, verify_graph
+    from assembler.scheduler import schedule
+
+    cfg = preset(preset_name)
+    if layer_limit is not None and layer_limit > cfg.num_hidden_layers:
+        raise click.BadParameter(f"{layer_limit} > num_hidden_layers ({cfg.num_hidden_layers})", param_hint="--layer-limit")
+    g = mtp_graph(cfg, rows) if kind == "mtp" else verify_graph(cfg, rows, layer_limit)
+    prog = schedule(g, sms)
+    st = prog.stats()
+    if check:
+        from assembler.verify import verify
+        st["verified"] = verify(prog)
+    if fmt == "json":
+        click.echo(prog.to_json())
+        return
+    if fmt == "text":
+        click.echo(prog.to_text(), nl=False)
+    click.echo("# stats " + json.dumps(st))
+    click.echo(f"# bytes per SM: mean {st['bytes_mean'] / 1e6:.3f} MB, max {st['bytes_max'] / 1e6:.3f} MB, "
+               f"min {st['bytes_min'] / 1e6:.3f} MB, imbalance {100 * st['imbalance']:.2f} % of the mean; "
+               f"est. critical path {st['est_critical_path_ms']:.3f} ms vs floor {st['floor_ms']:.3f} ms "
+               f"(estimate at 4,468 GB/s)")

@@ -1,0 +1,137 @@
+"""CPU VM vs the NumPy reference model, bit for bit (uint16 patterns for bf16, exact fp32 state), on the tiny
+synthetic checkpoint: decode steps and an M = 3 verify step for several SM counts, round-robin and seeded
+random interleavings; MTP draft step; negative controls: a removed wait is caught by poisoned buffers, the
+wait assertion fires when the VM is forced to run an instruction early, and a deadlock is reported."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from assembler.graph import mtp_graph, verify_graph
+from assembler.isa import Opcode
+from assembler.pyvm import VM, VMError
+from assembler.ref.model import ReferenceModel
+from assembler.scheduler import schedule
+
+PREFILL = 12
+CACHE: dict = {}
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_ckpt):
+    from loader.checkpoint import Checkpoint
+    w = Checkpoint.open(tiny_ckpt)
+    return w, ReferenceModel(w)
+
+
+@pytest.fixture(scope="module")
+def expected(ref):
+    """Reference results: prefill, two decode steps, one M=3 verify step, one MTP draft (fresh random ids)."""
+    w, model = ref
+    rng = np.random.default_rng()
+    st = model.new_state(PREFILL + 8)
+    model.prefill(st, rng.integers(0, 248000, PREFILL), logit_rows=[PREFILL - 1])
+    start = st.copy()
+    steps = [[int(rng.integers(0, 248000))], [int(rng.integers(0, 248000))], rng.integers(0, 248000, 3).tolist()]
+    out = []
+    for ids in steps:
+        out.append((ids, model.decode(st, ids), st.copy()))
+    hid = st.hidden[-1:].copy()
+    mtp_ids = [int(rng.integers(0, 248000))]
+    mtp_logits, hn = model.mtp_draft(st, mtp_ids, hid)
+    return {"start": start, "steps": out, "mtp": (mtp_ids, hid, mtp_logits, hn, st.copy())}
+
+
+def same_state(a, b, cfg):
+    for i in cfg.linear_layers:
+        assert np.array_equal(a.rec[i].view(np.uint32), b.rec[i].view(np.uint32)), f"recurrent state layer {i}"
+        assert np.array_equal(a.conv[i].view(np.uint16), b.conv[i].view(np.uint16)), f"conv state layer {i}"
+    for i in cfg.full_layers:
+        n = a.pos
+        assert np.array_equal(a.k[i][:n].view(np.uint16), b.k[i][:n].view(np.uint16)), f"K cache layer {i}"
+        assert np.array_equal(a.v[i][:n].view(np.uint16), b.v[i][:n].view(np.uint16)), f"V cache layer {i}"
+    assert a.pos == b.pos
+
+
+def run_sequence(w, exp, sms, orders):
+    cfg = w.config
+    st = exp["start"].copy()
+    vms = {m: VM(schedule(verify_graph(cfg, m), sms), w, CACHE) for m in (1, 3)}
+    for (ids, logits, st_ref), (order, seed) in zip(exp["steps"], orders):
+        got, nxt = vms[len(ids)].run_step(st, ids, order=order, seed=seed)
+        assert np.array_equal(got.view(np.uint16), logits.view(np.uint16)), f"logits differ (sms={sms}, {order})"
+        assert nxt.tolist() == np.argmax(logits.astype(np.float32), -1).tolist()
+        same_state(st, st_ref, cfg)
+        assert np.array_equal(st.hidden.view(np.uint16), st_ref.hidden.view(np.uint16)), "final-normed hidden"
+
+
+@pytest.mark.parametrize("sms", [1, 7, 132])
+def test_vm_equals_reference(ref, expected, sms):
+    seeds = np.random.default_rng().integers(0, 1 << 30, 2).tolist()
+    run_sequence(ref[0], expected, sms, [("rr", 0), ("random", seeds[0]), ("random", seeds[1])])
+
+
+def test_vm_verify_step_round_robin(ref, expected):
+    run_sequence(ref[0], expected, 5, [("rr", 0)] * 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sms", [1, 7, 132])
+def test_vm_many_random_interleavings(ref, expected, sms):
+    for seed in np.random.default_rng().integers(0, 1 << 30, 50).tolist():
+        run_sequence(ref[0], expected, sms, [("random", seed)] * 3)
+
+
+def test_vm_mtp_step(ref, expected):
+    w = ref[0]
+    ids, hid, logits, hn, st_ref = expected["mtp"]
+    st = expected["steps"][-1][2].copy()
+    vm = VM(schedule(mtp_graph(w.config, 1), 7), w, CACHE)
+    got, _ = vm.run_step(st, ids, hidden=hid, order="random", seed=3)
+    assert np.array_equal(got.view(np.uint16), logits.view(np.uint16))
+    assert np.array_equal(vm.hidden.view(np.uint16), hn.view(np.uint16))  # MTP-normed hidden for the next draft
+    n = st.mtp_pos
+    assert n == st_ref.mtp_pos and np.array_equal(st.mtp_k[:n].view(np.uint16), st_ref.mtp_k[:n].view(np.uint16))
+
+
+def _prog_without_a_wait(cfg):
+    p = schedule(verify_graph(cfg, 1), 7)
+    s, j = next((s, j) for s, l in enumerate(p.sm_lists) for j, i in enumerate(l)
+                if i.opcode == Opcode.GEMV and p.graph.ops[i.op].name == "L1.in" and i.nwaits)
+    ins = p.sm_lists[s][j]
+    p.sm_lists[s][j] = dataclasses.replace(ins, waits=ins.waits[1:], nwaits=ins.nwaits - 1)
+    return p
+
+
+def test_removed_wait_is_caught_by_poison(ref, expected):
+    w = ref[0]
+    ids, logits, _ = expected["steps"][0]
+    caught = 0
+    for seed in range(6):
+        st = expected["start"].copy()
+        try:
+            got, _ = VM(_prog_without_a_wait(w.config), w, CACHE).run_step(st, ids, order="random", seed=seed)
+            caught += not np.array_equal(got.view(np.uint16), logits.view(np.uint16))
+        except ValueError:  # NaN logits reach the argmax
+            caught += 1
+    print(f"removed wait caught in {caught} of 6 interleavings")
+    assert caught >= 3
+    vm = VM(schedule(verify_graph(w.config, 1), 7), w, CACHE)
+    got, _ = vm.run_step(expected["start"].copy(), ids, order="random", seed=0)
+    assert np.array_equal(got.view(np.uint16), logits.view(np.uint16))  # the intact program, same seeds, passes
+
+
+def test_wait_assertion_and_deadlock(ref, expected, monkeypatch):
+    w = ref[0]
+    ids = expected["steps"][0][0]
+    vm = VM(schedule(verify_graph(w.config, 1, layer_limit=1), 3), w, CACHE)
+    monkeypatch.setattr(vm, "_ready", lambda ins: True)
+    with pytest.raises(VMError, match="started before"):
+        vm.run_step(expected["start"].copy(), ids)
+    p = schedule(verify_graph(w.config, 1, layer_limit=1), 3)
+    am = next(i for i, c in enumerate(p.counters) if p.graph.ops[c.op].kind == "argmax")
+    s, j = next((s, j) for s, l in enumerate(p.sm_lists) for j, i in enumerate(l) if i.opcode == Opcode.GEMV)
+    ins = p.sm_lists[s][j]
+    p.sm_lists[s][j] = dataclasses.replace(ins, waits=ins.waits + ((am, 1, 0),), nwaits=ins.nwaits + 1)
+    with pytest.raises(VMError, match="deadlock"):
+        VM(p, w, CACHE).run_step(expected["start"].copy(), ids)

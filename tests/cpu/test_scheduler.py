@@ -1,0 +1,147 @@
+"""Scheduler: the partition tiles every op exactly once for any SM count, split-K never depends on the SM
+count and agrees with the reference model's choice, no SM waits on its own later work, counters count their
+bumpers, bytes are balanced; the tiny program's dump matches the committed golden."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from assembler.graph import decode_graph, mtp_graph, verify_graph
+from assembler.isa import Opcode
+from assembler.numerics import split_k
+from assembler.scheduler import schedule
+from loader.config import preset
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "program_tiny.txt"
+GOLDEN_CMD = "python3 -m host.cli inspect --preset tiny --sms 7 > tests/golden/program_tiny.txt"
+
+
+@pytest.fixture(scope="module", params=[1, 2, 7, 132])
+def prog(request):
+    return schedule(verify_graph(preset("tiny"), 2), request.param)
+
+
+def test_partition_tiles_every_op_once(prog):
+    g = prog.graph
+    for op in g.ops:
+        if op.kind == "gemv":
+            for stage in ("main", "reduce"):
+                cover = {}
+                for sm, r0, r1, s, seg in prog.slices(op.name, stage):
+                    cover.setdefault((seg, s), []).append((r0, r1))
+                want = {(i, s) for i, sg in enumerate(op.segments) if stage == "main" or sg.split > 1
+                        for s in (range(sg.split) if stage == "main" else [0])}
+                assert set(cover) == want, (op.name, stage)
+                for (seg, s), rr in cover.items():
+                    rr.sort()
+                    assert rr[0][0] == 0 and rr[-1][1] == op.segments[seg].n_out and all(
+                        a[1] == b[0] for a, b in zip(rr, rr[1:])), (op.name, stage, seg, s)
+                    assert all(r0 % 16 == 0 for r0, _ in rr)
+        else:
+            sl = prog.slices(op.name)
+            want = list(op.groups) if op.groups else [None]
+            assert len(sl) == len(want), op.name
+
+
+def test_splits_fixed_by_shape_and_match_reference():
+    from assembler.ref.model import proj_splits
+    for name in ("tiny", "qwen3.5-27b"):
+        cfg = preset(name)
+        sp = proj_splits(cfg)
+        g = decode_graph(cfg, layer_limit=4)
+        want = {"in": {sp["qkvz"], sp["qkv_attn"]}, "out": {sp["out_proj"], sp["o_proj"]}, "gateup": {sp["gate_up"]},
+                "down": {sp["down"]}, "head": {sp["lm_head"]}}
+        for op in g.ops:
+            if op.kind == "gemv":
+                assert {s.split for s in op.segments} <= want[op.name.split(".")[-1]], op.name
+    a, b = schedule(decode_graph(preset("tiny")), 1), schedule(decode_graph(preset("tiny")), 13)
+    key = lambda p: sorted({(i.op, i.w0, i.nsplit) for l in p.sm_lists for i in l if i.opcode == Opcode.GEMV})
+    assert key(a) == key(b)
+
+
+def test_no_wait_on_own_later_work_and_counters(prog):
+    bumpers = {}
+    for s, lst in enumerate(prog.sm_lists):
+        for j, ins in enumerate(lst):
+            bumpers.setdefault(ins.bump, []).append((s, j, prog.stage_of[(s, j)]))
+    for c, b in bumpers.items():
+        assert prog.counters[c].expected == len(b)
+    for s, lst in enumerate(prog.sm_lists):
+        for j, ins in enumerate(lst):
+            for c, e, o in ins.waits:
+                assert e == prog.counters[c].expected
+                if o == 0:
+                    assert all(st < prog.stage_of[(s, j)] for _, _, st in bumpers[c])
+                    assert all(jj < j for ss, jj, _ in bumpers[c] if ss == s)
+
+
+def test_deterministic_and_bad_input():
+    g = decode_graph(preset("tiny"), layer_limit=2)
+    assert np.array_equal(schedule(g, 9).words(), schedule(g, 9).words())
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="num_sms"):
+            schedule(g, bad)
+    with pytest.raises(ValueError, match="m=9"):
+        verify_graph(preset("tiny"), 9)
+    with pytest.raises(ValueError, match="layer_limit"):
+        verify_graph(preset("tiny"), 1, layer_limit=99)
+
+
+def test_bytes_balanced_27b_subset():
+    p = schedule(decode_graph(preset("qwen3.5-27b"), layer_limit=4), 132)
+    st = p.stats()
+    assert st["imbalance"] < 0.02 and (st["bytes_mean"] - st["bytes_min"]) / st["bytes_mean"] < 0.02, st
+    assert st["est_critical_path_ms"] >= st["floor_ms"] * 0.999
+
+
+@pytest.mark.slow
+def test_bytes_balanced_27b_full():
+    st = schedule(decode_graph(preset("qwen3.5-27b")), 132).stats()
+    assert st["imbalance"] < 0.02 and (st["bytes_mean"] - st["bytes_min"]) / st["bytes_mean"] < 0.02, st
+
+
+def test_mtp_graph_schedules():
+    p = schedule(mtp_graph(preset("tiny")), 5)
+    assert {i.opcode for l in p.sm_lists for i in l} >= {Opcode.EMBED, Opcode.GEMV, Opcode.ATTN, Opcode.ARGMAX}
+    fc = p.graph.op("mtp.fc")
+    assert fc.segments[0].split == split_k(256, 512) and isinstance(fc.norm[0], tuple)
+
+
+def test_golden_program_dump():
+    from click.testing import CliRunner
+    from host.cli import main
+    r = CliRunner().invoke(main, ["inspect", "--preset", "tiny", "--sms", "7"])
+    assert r.exit_code == 0, r.output
+    assert GOLDEN.exists(), f"missing golden: {GOLDEN_CMD}"
+    assert r.output == GOLDEN.read_text(), f"the tiny program changed; review and regenerate: {GOLDEN_CMD}"
+
+
+@pytest.mark.parametrize("name", ["tiny", "qwen3.5-27b"])
+def test_graph_weight_bytes_match_config(name):
+    """Streamed weight bytes of the decode graph = the config's per-token weight bytes minus the norm weights
+    and the GDN per-head vectors (read by prologues / inside the GDN step, not counted as streamed)."""
+    cfg = preset(name)
+    g = decode_graph(cfg)
+    H, nv = cfg.hidden_size, cfg.linear_num_value_heads
+    gemv = sum(o.bytes for o in g.ops if o.kind == "gemv")
+    gdn_w = len(cfg.linear_layers) * (2 * nv * H * 2 + cfg.gdn_conv_dim * cfg.linear_conv_kernel_dim * 2)
+    small = (len(cfg.linear_layers) * (2 * H * 2 + cfg.linear_value_head_dim * 2 + 2 * nv * 2)
+             + len(cfg.full_layers) * (2 * H * 2 + 2 * cfg.head_dim * 2) + H * 2)
+    assert gemv + gdn_w == cfg.weight_bytes_per_token - small
+    assert all(o.flops >= 0 and o.bytes > 0 for o in g.ops)
+
+
+def test_cli_json_and_bad_input():
+    import json
+    from click.testing import CliRunner
+    from host.cli import main
+    r = CliRunner().invoke(main, ["inspect", "--preset", "tiny", "--sms", "3", "--format", "json", "--layer-limit", "1",
+                                  "--rows", "2"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert d["num_sms"] == 3 and d["m"] == 2 and len(d["sms"]) == 3
+    assert sum(len(l) for l in d["sms"]) == d["stats"]["instructions"]
+    assert all(len(i["waits"]) == i["nwaits"] for l in d["sms"] for i in l)
+    for bad in (["--sms", "0"], ["--layer-limit", "99"], ["--preset", "nope"], ["--rows", "9"]):
+        r = CliRunner().invoke(main, ["inspect", *bad])
+        assert r.exit_code == 2, (bad, r.output)

@@ -1,0 +1,83 @@
+"""Verifier: assembled programs pass; every planted fault fails with a message naming it; removing any single
+wait (a seeded sample, fresh per run) is caught."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from assembler.graph import mtp_graph, verify_graph
+from assembler.isa import Opcode
+from assembler.scheduler import schedule
+from assembler.verify import VerifyError, verify
+from loader.config import preset
+
+
+@pytest.mark.parametrize("sms,m", [(1, 1), (7, 1), (7, 8), (132, 1), (3, 5)])
+def test_assembled_programs_verify(sms, m):
+    p = schedule(verify_graph(preset("tiny"), m), sms)
+    assert verify(p)["instructions"] == sum(len(l) for l in p.sm_lists)
+
+
+def test_mtp_program_verifies():
+    verify(schedule(mtp_graph(preset("tiny"), 2), 6))
+
+
+def _drop_wait(p, s, j, w):
+    ins = p.sm_lists[s][j]
+    p.sm_lists[s][j] = dataclasses.replace(ins, waits=ins.waits[:w] + ins.waits[w + 1:], nwaits=ins.nwaits - 1)
+    return ins
+
+
+@pytest.mark.parametrize("sms,m,sample", [(7, 2, 40), (132, 1, 12)])
+def test_every_removed_wait_is_caught(sms, m, sample):
+    p = schedule(verify_graph(preset("tiny"), m), sms)
+    allw = [(s, j, w) for s, l in enumerate(p.sm_lists) for j, i in enumerate(l) for w in range(i.nwaits)]
+    rng = np.random.default_rng()
+    pick = [allw[i] for i in rng.choice(len(allw), size=min(sample, len(allw)), replace=False)]
+    pick += [x for x in allw if p.sm_lists[x[0]][x[1]].opcode == Opcode.EMBED]  # the step edge, always
+    for s, j, w in pick:
+        orig = _drop_wait(p, s, j, w)
+        with pytest.raises(VerifyError):
+            verify(p)
+        p.sm_lists[s][j] = orig
+    verify(p)  # restored program passes again
+
+
+@pytest.fixture
+def small():
+    return schedule(verify_graph(preset("tiny"), 1, layer_limit=2), 4)
+
+
+def _first(p, opcode):
+    return next((s, j) for s, l in enumerate(p.sm_lists) for j, i in enumerate(l) if i.opcode == opcode and i.nwaits)
+
+
+def test_overlapping_writes_caught(small):
+    s, j = next((s, j) for s, l in enumerate(small.sm_lists) for j, i in enumerate(l)
+                if i.opcode == Opcode.GEMV_REDUCE and i.row_start > 0)
+    ins = small.sm_lists[s][j]
+    small.sm_lists[s][j] = dataclasses.replace(ins, row_start=ins.row_start - 16)
+    with pytest.raises(VerifyError, match="both write"):
+        verify(small)
+
+
+def test_wrong_expected_and_unreachable_caught(small):
+    s, j = _first(small, Opcode.GEMV)
+    ins = small.sm_lists[s][j]
+    c, e, o = ins.waits[0]
+    small.sm_lists[s][j] = dataclasses.replace(ins, waits=((c, e + 1, o),) + ins.waits[1:])
+    with pytest.raises(VerifyError, match="bumped"):
+        verify(small)
+    small.sm_lists[s][j] = dataclasses.replace(ins, waits=((len(small.counters) + 3, 1, 0),) + ins.waits[1:])
+    with pytest.raises(VerifyError, match="unreachable"):
+        verify(small)
+
+
+def test_deadlock_caught(small):
+    am = next(i for i, c in enumerate(small.counters) if small.graph.ops[c.op].kind == "argmax")
+    s, j = _first(small, Opcode.GEMV)  # a GEMV that waits for this step's argmax can never run
+    ins = small.sm_lists[s][j]
+    small.sm_lists[s][j] = dataclasses.replace(ins, waits=ins.waits + ((am, small.counters[am].expected, 0),),
+                                               nwaits=ins.nwaits + 1)
+    with pytest.raises(VerifyError, match="deadlock"):
+        verify(small)
