@@ -63,3 +63,19 @@ __device__ __forceinline__ void block_bump(uint32_t* counter, uint32_t v) {
 }
 
 }  // namespace qmk
+
+namespace qmk {
+
+// Release store at GPU scope: publishes a flag (the persistent loop's go mirror) after this thread's writes.
+__device__ __forceinline__ void st_release_gpu(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+
+// Global nanosecond timer (per-instruction timing slots; same clock on every SM).
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
+}  // namespace qmk

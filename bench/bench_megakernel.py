@@ -1,0 +1,140 @@
+"""Megakernel vs CUDA-graph path on the 27B synthetic model at a 1k context, in the same run (article Part 6.4).
+
+Gate first (STYLE habit 11): two greedy steps of both paths must be bit-identical in every buffer, else nothing
+is timed. Then, with CUDA events: the graph replayed N times; the megakernel running N steps in one launch;
+the megakernel one launch per step; the persistent grid driven step by step from the host through mapped
+memory (host round trip included); the NOP program (waits + bumps only: the dependency machinery's floor).
+The weight bytes streamed per token (ModelConfig.weight_bytes_per_token) give the bandwidth column. Writes
+``bench/results/megakernel.json`` and ``bench/results/megakernel_timings.json`` (per-instruction globaltimer
+stamps of one step, QMK_MK_TIMING build) under ``--out`` (default bench/results).
+
+``python3 bench/bench_megakernel.py [--preset qwen3.5-27b] [--context 1024] [--steps 20] [--out DIR]``
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from bench.harness import bandwidth, commit, device_meta, result_file  # noqa: E402
+
+
+def _events_ms(stream, fn, n: int) -> float:
+    import cupy as cp
+    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+    e0.record(stream)
+    fn()
+    e1.record(stream)
+    e1.synchronize()
+    return cp.cuda.get_elapsed_time(e0, e1) / n
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="qwen3.5-27b")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    from discrete.step import DecodeStep
+    from discrete.weights_gpu import WeightsGPU
+    from loader.config import preset
+    from loader.synthetic import SyntheticWeights
+    from megakernel.runner import Megakernel, compare_steps
+    from megakernel.timings import collect
+
+    cfg, N, ctx = preset(a.preset), a.steps, a.context
+    t0 = time.perf_counter()
+    w = WeightsGPU.from_synthetic(SyntheticWeights(cfg, 0))
+    cap = ctx + 8 * N + 64  # every launch below advances the position
+    ga = DecodeStep(cfg, w, cap, 1, debug_logits=True)
+    gb = DecodeStep(cfg, w, cap, 1, debug_logits=True)
+    mk = Megakernel(gb)
+    mk3 = Megakernel(gb, gdn_split=3)
+    print(f"setup {time.perf_counter() - t0:.1f} s; program {mk.program.stats()}", flush=True)
+    for s in (ga, gb):
+        s.poison()
+        s.reset(ctx, [1000])
+    ga.capture()
+    gate = None
+    for k, m in enumerate((mk, mk3)):  # one gate step each: the program as assembled, and with GDN split 3 ways
+        ga.replay()
+        m.step()
+        m.check()
+        gate = compare_steps(ga, gb, m.program, 1)
+        if gate is not None:
+            gate = (["program", "gdn_split3"][k],) + gate
+            break
+    meta = {"preset": a.preset, "context": ctx, "timed_steps": N, "num_sms": mk.num_sms, "threads": mk.threads,
+            "smem_bytes": mk.smem, "gate_identical": gate is None, "gate_first_mismatch": gate,
+            "program": mk.program.stats(), "method": "CUDA events around N consecutive steps (graph replays / "
+            "one megakernel launch), after 2 gate steps; per-step figures are the mean"}
+    if gate is not None:
+        print(f"GATE FAILED: {gate}; nothing timed", flush=True)
+        result_file("megakernel", [{"name": "megakernel_step", "shape": f"{a.preset} ctx{ctx}", "correct": False}],
+                    meta, a.out)
+        return 1
+    nbytes = cfg.weight_bytes_per_token
+    shape = f"{a.preset} ctx{ctx} M=1"
+    res = []
+    for _ in range(3):
+        ga.replay()
+    g_ms = _events_ms(ga.stream, lambda: [ga.replay() for _ in range(N)], N)
+    res.append({"name": "graph_step", "shape": shape, "correct": True, "ms": g_ms, **bandwidth(nbytes, g_ms)})
+    save = lambda: result_file("megakernel", res, meta, a.out)  # noqa: E731  (after every row: a hang keeps the rest)
+    mk.run_steps(2)
+    m_ms = _events_ms(gb.stream, lambda: mk.run_steps(N), N)
+    mk.check()
+    res.append({"name": "megakernel_step_one_launch", "shape": shape, "correct": True, "ms": m_ms, **bandwidth(nbytes, m_ms)})
+    save()
+    mk3.run_steps(2)
+    s_ms = _events_ms(gb.stream, lambda: mk3.run_steps(N), N)
+    mk3.check()
+    res.append({"name": "megakernel_step_one_launch_gdn_split3", "shape": shape, "correct": True, "ms": s_ms,
+                **bandwidth(nbytes, s_ms)})
+    save()
+    l_ms = _events_ms(gb.stream, lambda: [mk.step() for _ in range(N)], N)
+    mk.check()
+    res.append({"name": "megakernel_step_per_launch", "shape": shape, "correct": True, "ms": l_ms, **bandwidth(nbytes, l_ms)})
+    save()
+    mk.start_persistent()
+    t = time.perf_counter()
+    for _ in range(N):
+        mk.release(1)
+        mk.wait_token(timeout_s=30)
+    p_ms = (time.perf_counter() - t) * 1e3 / N
+    mk.stop_persistent()
+    res.append({"name": "megakernel_persistent_host_loop", "shape": shape, "correct": True, "ms": p_ms,
+                **bandwidth(nbytes, p_ms), "note": "host perf_counter per released step, mapped-memory round trip"})
+    save()
+    print(json.dumps(res, indent=1), flush=True)
+    nop = Megakernel(gb, nop=True)
+    nop.run_steps(2)
+    n_ms = _events_ms(gb.stream, lambda: nop.run_steps(N), N)
+    nop.check()
+    res.append({"name": "megakernel_nop_floor", "shape": shape, "correct": True, "ms": n_ms, "bytes": 0, "gbps": 0.0,
+                "frac_of_measured_bw": 0.0, "note": "same program, every opcode NOP: fetch + waits + bumps only"})
+    save()
+    print(json.dumps(res[-1]), flush=True)
+    tm = Megakernel(gb, timing=True)
+    tm.run_steps(2)
+    data = collect(tm)
+    out = Path(a.out) if a.out else Path(__file__).resolve().parent / "results"
+    doc = {"benchmark": "megakernel_timings", **device_meta(), "commit": commit(),
+           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "preset": a.preset,
+           "context": ctx, "results": [], "timings": data}
+    (out / "megakernel_timings.json").write_text(json.dumps(doc) + "\n")  # compact: ~60k instruction rows
+    kinds = sorted(data["per_op_kind"].items(), key=lambda kv: -kv[1]["run_ns"])
+    print("timed step (timing build):", data["step_ns"] / 1e6, "ms;", json.dumps(kinds[:8]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

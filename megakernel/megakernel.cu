@@ -1,0 +1,401 @@
+// megakernel.cu — the persistent cooperative megakernel (article Part 6; DESIGN.md): one block per SM executes
+// its instruction list from the assembler (assembler/scheduler.py) for one or many decode steps. Dependencies are
+// monotonic counters in global memory (sync.cuh): an instruction waits until counter ≥ seed + step·expected +
+// offset for each of its waits, runs, then releases its own counter. Every opcode calls THE SAME device functions
+// as the discrete kernels on the same slices (gemv.cuh, norm.cuh, gdn.cuh, attention.cuh, lm_head.cuh keys), so
+// results are bit-identical to the discrete path; what differs is only who runs which slice and when.
+//
+// Block size = MX_GDN_THREADS = MX_ATT_THREADS (the block-level GDN / attention functions assume it); GEMV work is
+// per warp (a 16-row tile), so its results do not depend on the warp count.
+// Dynamic shared memory: [normed x: MAX_ROWS × HIDDEN bf16 | MkSmemTail]; mk_layout reports the size.
+// qmk: defines megakernel.runner:compile_defines
+#include "lm_head.cuh"
+#include "gdn.cuh"
+#include "attention.cuh"
+#ifdef __CUDACC_RTC__
+// NVRTC has no constant-expression offsetof, so the generated headers' offset static_asserts cannot compile
+// there; nvcc (discrete/compile_check.py) compiles the same headers with them on.
+#define static_assert(...)
+#endif
+#include "../../megakernel/include/isa.h"
+#include "../../megakernel/include/mk_params.h"
+#include "../../megakernel/include/finish.cuh"
+#ifdef __CUDACC_RTC__
+#undef static_assert
+#endif
+#include "../../megakernel/include/sync.cuh"
+
+#ifndef QMK_VALID_VOCAB
+#define QMK_VALID_VOCAB QMK_VOCAB  // ids past it are padding rows (discrete.build.config_defines sets it)
+#endif
+#define MK_THREADS MX_GDN_THREADS
+#define MK_WARPS (MK_THREADS / 32)
+#define MK_EP_ROWS (QMK_ROW_TILE * MK_WARPS)  // output rows per epilogue round of a split-1 GEMV
+static_assert(MX_ATT_THREADS == MK_THREADS, "megakernel: GDN and attention device functions need one block size");
+static_assert(MX_HD <= MK_THREADS, "megakernel: the attention reduce uses one thread per head dim");
+static_assert(QMK_ISA_WORDS <= MK_THREADS, "megakernel: one thread per instruction word");
+
+struct MkSmemTail {
+  union {
+    MxGdnSmem gdn;
+    MxAttnValSmem att;
+    float ep[QMK_MAX_ROWS][2 * MK_EP_ROWS];  // split-1 GEMV tile results: gate (or only) | up
+    qmk_u64 keys[MK_WARPS];                  // argmax: per-warp best key
+  } u;
+  double red[MK_WARPS];                      // RMSNorm block reduction
+  int words[QMK_ISA_WORDS];                  // the current instruction
+  int flag;                                  // persistent loop: broadcast of "run the next step"
+};
+#define MK_XN_BYTES (QMK_MAX_ROWS * QMK_HIDDEN * 2)
+#ifndef QMK_MK_RING
+#define QMK_MK_RING 0  // GEMV weight ring slots per warp (gemv.cuh qmk_gemv_tile_ring); 0: register-ring tile
+#endif
+#define MK_RING_OFF ((MK_XN_BYTES + sizeof(MkSmemTail) + 127) / 128 * 128)
+#define MK_SMEM_BYTES (MK_RING_OFF + MK_WARPS * QMK_MK_RING * QMK_GEMV_UNIT_BYTES)
+#ifdef QMK_MK_SMEM_LIMIT
+static_assert(MK_SMEM_BYTES <= QMK_MK_SMEM_LIMIT, "megakernel: shared memory layout exceeds the per-block limit");
+#endif
+
+__device__ __forceinline__ void mk_fail(const MkParams& P, int code, int detail) {
+  uint32_t* mirror = reinterpret_cast<uint32_t*>(P.mirror);
+  atomicExch(mirror + 2, (uint32_t)code);
+  atomicExch(mirror + 3, (uint32_t)detail);
+  __threadfence_system();
+  __trap();
+}
+
+template <class T> __device__ __forceinline__ T* mk_buf(const MkParams& P, int id) {
+  return reinterpret_cast<T*>(reinterpret_cast<const uint64_t*>(P.bufs)[id]);
+}
+
+__device__ __forceinline__ int mk_pos(const MkParams& P) {
+  return (int)qmk::ld_relaxed_gpu(&reinterpret_cast<QmkControl*>(P.ctrl)->pos);
+}
+
+// One 16-row tile of weight W (fp8 block-scaled or bf16) over K-blocks [kb0, kb1): the shared gemv.cuh tile
+// (with QMK_MK_RING ≥ 2 its cp.async shared-memory ring variant, bit-identical; this warp's ring at `ring`).
+__device__ __forceinline__ void mk_tile(float (&acc)[4], const MkWeight& W, const qmk_u16* x, int M, int row0,
+                                        int kb0, int kb1, qmk_u32 ring) {
+#if QMK_MK_RING >= 2
+  if (W.fp8)
+    qmk_gemv_tile_ring<QMK_W_FP8>(acc, (const void*)W.ptr, (const qmk_u16*)W.scale, x, M, W.cols, row0, kb0, kb1,
+                                  ring, QMK_MK_RING);
+  else
+    qmk_gemv_tile_ring<QMK_W_BF16>(acc, (const void*)W.ptr, nullptr, x, M, W.cols, row0, kb0, kb1, ring, QMK_MK_RING);
+#else
+  (void)ring;
+  if (W.fp8)
+    qmk_gemv_tile<QMK_W_FP8>(acc, (const void*)W.ptr, (const qmk_u16*)W.scale, x, M, W.cols, row0, kb0, kb1);
+  else
+    qmk_gemv_tile<QMK_W_BF16>(acc, (const void*)W.ptr, nullptr, x, M, W.cols, row0, kb0, kb1);
+#endif
+}
+
+// GEMV: rows [r0, r1) of weight w0 (for swiglu: gate rows r0.. and up rows F+r0.. of the fused [2F, K] weight),
+// split `split` of `nsplit`, on x = buf0 (or its RMSNorm with weight w1, computed into shared memory; buf5 ≥ 0:
+// that input is also stored there, [M, K]).
+// nsplit > 1: fp32 partials into buf3 [S, M, rows(w0)]; nsplit == 1: the epilogue straight into buf1.
+__device__ void mk_gemv(const MkParams& P, const int* w, qmk_u16* xn, MkSmemTail& sm, qmk_u32 ring) {
+  const int sub = w[QMK_F_SUB], pro = sub & 15, epi = (sub >> 4) & 15;
+  const int M = w[QMK_F_M], r0 = w[QMK_F_ROW_START], r1 = w[QMK_F_ROW_END];
+  const int s = w[QMK_F_SPLIT], S = w[QMK_F_NSPLIT];
+  const MkWeight W = reinterpret_cast<const MkWeight*>(P.weights)[w[QMK_F_W0]];
+  const int K = W.cols, N = W.rows, warp = threadIdx.x >> 5;
+  const qmk_u16* x = mk_buf<const qmk_u16>(P, w[QMK_F_BUF0]);
+  if (pro == QMK_PRO_RMSNORM) {
+    const MkWeight nw = reinterpret_cast<const MkWeight*>(P.weights)[w[QMK_F_W1]];
+    mx_rmsnorm_rows<MK_THREADS>(x, K, (const mx_u16*)nw.ptr, xn, K, M, K, sm.red);
+    __syncthreads();
+    x = xn;
+  } else if (pro != QMK_PRO_NONE) {
+    if (threadIdx.x == 0) mk_fail(P, MK_ERR_PROLOGUE, pro);
+  }
+  if (w[QMK_F_BUF5] >= 0) {  // one slice of the head also publishes its (normalised) input: the final hidden
+    uint4* dst = mk_buf<uint4>(P, w[QMK_F_BUF5]);
+    const uint4* src = reinterpret_cast<const uint4*>(x);
+    for (int i = threadIdx.x; i < M * K / 8; i += MK_THREADS) dst[i] = src[i];
+  }
+  const int F = N >> 1, per = (K / QMK_KBLK) / S, kb0 = s * per, kb1 = kb0 + per;
+  const int tiles = (r1 - r0) / QMK_ROW_TILE;
+  if (S > 1) {
+    float* part = mk_buf<float>(P, w[QMK_F_BUF3]);
+    for (int t = warp; t < tiles; t += MK_WARPS) {
+      const int row0 = r0 + t * QMK_ROW_TILE;
+      float acc[4];
+      mk_tile(acc, W, x, M, row0, kb0, kb1, ring);
+      qmk_gemv_store_partial(acc, part, M, N, s, row0);
+      if (epi == QMK_EPI_SWIGLU) {
+        mk_tile(acc, W, x, M, F + row0, kb0, kb1, ring);
+        qmk_gemv_store_partial(acc, part, M, N, s, F + row0);
+      }
+    }
+    return;
+  }
+  // split 1: rounds of one tile per warp into shared memory, then gemv.cuh's epilogue on them (S = 1, as the
+  // discrete reduce sees a one-split partial buffer)
+  qmk_u16* out = mk_buf<qmk_u16>(P, w[QMK_F_BUF1]);
+  const qmk_u16* resid = epi == QMK_EPI_RESIDUAL ? mk_buf<const qmk_u16>(P, w[QMK_F_BUF2]) : nullptr;
+  const int nout = epi == QMK_EPI_SWIGLU ? F : N;
+  float* ep = &sm.u.ep[0][0];
+  for (int base = 0; base < tiles; base += MK_WARPS) {
+    const int t = base + warp;
+    if (t < tiles) {
+      const int row0 = r0 + t * QMK_ROW_TILE;
+      float acc[4];
+      mk_tile(acc, W, x, M, row0, 0, K / QMK_KBLK, ring);
+      qmk_gemv_store_partial(acc, ep, M, 2 * MK_EP_ROWS, 0, warp * QMK_ROW_TILE);
+      if (epi == QMK_EPI_SWIGLU) {
+        mk_tile(acc, W, x, M, F + row0, 0, K / QMK_KBLK, ring);
+        qmk_gemv_store_partial(acc, ep, M, 2 * MK_EP_ROWS, 0, MK_EP_ROWS + warp * QMK_ROW_TILE);
+      }
+    }
+    __syncthreads();
+    const int nrow = min(MK_WARPS, tiles - base) * QMK_ROW_TILE, n0 = r0 + base * QMK_ROW_TILE;
+    for (int i = threadIdx.x; i < M * nrow; i += MK_THREADS) {
+      const int m = i / nrow, nl = i - m * nrow;
+      // per row m: P = that row's [gate | up] run, N' = 2·MK_EP_ROWS (so F' = MK_EP_ROWS), residual row m at n0
+      const qmk_u16* rr = resid ? resid + (size_t)m * N + n0 : nullptr;
+      out[(size_t)m * nout + n0 + nl] =
+          qmk_gemv_epilogue(epi, ep + (size_t)m * 2 * MK_EP_ROWS, 1, 1, 2 * MK_EP_ROWS, 0, nl, rr);
+    }
+    __syncthreads();
+  }
+}
+
+// GEMV_REDUCE: the discrete gemv_reduce body over outputs (m, n), n in [r0, r1): fixed split order + epilogue.
+__device__ void mk_gemv_reduce(const MkParams& P, const int* w) {
+  const int epi = (w[QMK_F_SUB] >> 4) & 15, M = w[QMK_F_M], r0 = w[QMK_F_ROW_START], r1 = w[QMK_F_ROW_END];
+  const int S = w[QMK_F_NSPLIT];
+  const int N = reinterpret_cast<const MkWeight*>(P.weights)[w[QMK_F_W0]].rows;
+  const int nout = epi == QMK_EPI_SWIGLU ? N / 2 : N, nr = r1 - r0;
+  const float* part = mk_buf<const float>(P, w[QMK_F_BUF3]);
+  const qmk_u16* resid = epi == QMK_EPI_RESIDUAL ? mk_buf<const qmk_u16>(P, w[QMK_F_BUF2]) : nullptr;
+  qmk_u16* out = mk_buf<qmk_u16>(P, w[QMK_F_BUF1]);
+  for (int i = threadIdx.x; i < M * nr; i += MK_THREADS) {
+    const int m = i / nr, n = r0 + (i - m * nr);
+    out[(size_t)m * nout + n] = qmk_gemv_epilogue<true>(epi, part, S, M, N, m, n, resid);  // L2 reads
+  }
+}
+
+// EMBED: exact row copy of the embedding table for each row's token (an id outside [0, V) gives a NaN row, as
+// discrete/kernels/embed.cu).
+__device__ void mk_embed(const MkParams& P, const int* w) {
+  const int M = w[QMK_F_M];
+  const int* ids = mk_buf<const int>(P, w[QMK_F_BUF0]);
+  qmk_u16* out = mk_buf<qmk_u16>(P, w[QMK_F_BUF1]);
+  const qmk_u16* table = reinterpret_cast<const qmk_u16*>(P.embed);
+  const int n16 = QMK_HIDDEN / 8;
+  for (int m = 0; m < M; ++m) {
+    const int id = (int)qmk::ld_relaxed_gpu(reinterpret_cast<const uint32_t*>(ids) + m);  // host- or finish-written
+    uint4* dst = reinterpret_cast<uint4*>(out + (size_t)m * QMK_HIDDEN);
+    const uint4* src = reinterpret_cast<const uint4*>(table + (size_t)(id < 0 || id >= QMK_VOCAB ? 0 : id) * QMK_HIDDEN);
+    for (int i = threadIdx.x; i < n16; i += MK_THREADS)
+      dst[i] = (id < 0 || id >= QMK_VOCAB) ? make_uint4(0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u) : src[i];
+  }
+}
+
+// ARGMAX: per row the maximum lm_head key (lm_head.cuh: logit desc, id asc) over the non-padding logits of buf0
+// [M, V] (ids < QMK_VALID_VOCAB, as lm_head.cuh) → buf1 [M];
+// then the control-block finish (finish.cuh) and, in persistent mode, the token to mapped host memory.
+__device__ void mk_argmax(const MkParams& P, const int* w, MkSmemTail& sm) {
+  const int M = w[QMK_F_M], lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const qmk_u16* logits = mk_buf<const qmk_u16>(P, w[QMK_F_BUF0]);
+  int* ids = mk_buf<int>(P, w[QMK_F_BUF1]);
+  for (int m = 0; m < M; ++m) {
+    qmk_u64 k = 0;
+    for (int i = threadIdx.x; i < QMK_VALID_VOCAB; i += MK_THREADS) {  // padding ids are never chosen
+      const qmk_u64 c = qmk_logit_key(logits[(size_t)m * QMK_VOCAB + i], i);
+      k = c > k ? c : k;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      const qmk_u64 t = __shfl_xor_sync(0xFFFFFFFFu, k, o);
+      k = t > k ? t : k;
+    }
+    if (lane == 0) sm.u.keys[warp] = k;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      qmk_u64 b = sm.u.keys[0];
+      for (int i = 1; i < MK_WARPS; ++i) b = sm.u.keys[i] > b ? sm.u.keys[i] : b;
+      ids[m] = qmk_key_id(b);
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    QmkControl* c = reinterpret_cast<QmkControl*>(P.ctrl);
+    mk_finish_step(c, ids, M);
+    if (P.persistent) {
+      volatile uint32_t* host = reinterpret_cast<volatile uint32_t*>(P.host);
+      qmk::st_release_sys(host + 3, (uint32_t)ids[M - 1]);
+      qmk::st_release_sys(host + 2, c->step);
+    }
+  }
+}
+
+// GDN_STEP: key heads [r0, r1) of layer `layer` (value heads part `split` of `nsplit`); hn = RMSNorm(buf2) in
+// shared memory, then gdn.cuh per value head.
+__device__ void mk_gdn(const MkParams& P, const int* w, qmk_u16* hn, MkSmemTail& sm) {
+  const int M = w[QMK_F_M], r0 = w[QMK_F_ROW_START], r1 = w[QMK_F_ROW_END];
+  const MkLayer L = reinterpret_cast<const MkLayer*>(P.layers)[w[QMK_F_LAYER]];
+  const MkWeight nw = reinterpret_cast<const MkWeight*>(P.weights)[w[QMK_F_W1]];
+  mx_rmsnorm_rows<MK_THREADS>(mk_buf<const mx_u16>(P, w[QMK_F_BUF2]), QMK_HIDDEN, (const mx_u16*)nw.ptr, hn,
+                              QMK_HIDDEN, M, QMK_HIDDEN, sm.red);
+  __syncthreads();
+  const int pos = mk_pos(P);
+  // value heads of key heads [r0, r1); split / nsplit (runner.split_gdn) hand a part of them to this instruction
+  const int nv = (r1 - r0) * QMK_GDN_HEAD_GROUP, sp = w[QMK_F_SPLIT], ns = w[QMK_F_NSPLIT];
+  const int j0 = r0 * QMK_GDN_HEAD_GROUP + sp * nv / ns, j1 = r0 * QMK_GDN_HEAD_GROUP + (sp + 1) * nv / ns;
+  for (int j = j0; j < j1; ++j) {
+    mx_gdn_step_head(mk_buf<const mx_u16>(P, w[QMK_F_BUF0]), mk_buf<const mx_u16>(P, w[QMK_F_BUF1]), hn,
+                     (const mx_u16*)L.t[0], (const mx_u16*)L.t[1], (const mx_u16*)L.t[2], (const mx_u16*)L.t[3],
+                     (const mx_u16*)L.t[4], (const mx_u16*)L.t[5], mk_buf<mx_u16>(P, w[QMK_F_BUF4]),
+                     mk_buf<float>(P, w[QMK_F_BUF5]), mk_buf<mx_u16>(P, w[QMK_F_BUF3]), pos, M, j, sm.u.gdn);
+    __syncthreads();
+  }
+}
+
+// ATTN: KV heads [r0, r1): attention.cuh's four stages for that head's query group, all partitions on this block.
+__device__ void mk_attn(const MkParams& P, const int* w, MkSmemTail& sm) {
+  const int M = w[QMK_F_M], r0 = w[QMK_F_ROW_START], r1 = w[QMK_F_ROW_END], warp = threadIdx.x >> 5;
+  const MkLayer L = reinterpret_cast<const MkLayer*>(P.layers)[w[QMK_F_LAYER]];
+  const mx_u16* qg = mk_buf<const mx_u16>(P, w[QMK_F_BUF0]);
+  mx_u16* kv = mk_buf<mx_u16>(P, w[QMK_F_BUF4]);  // the layer's base in the page pool (K and V)
+  mx_u16* q = reinterpret_cast<mx_u16*>(P.att_q);
+  mx_u16* scores = reinterpret_cast<mx_u16*>(P.att_scores);
+  float* sm_m = reinterpret_cast<float*>(P.att_m);
+  float* sm_l = reinterpret_cast<float*>(P.att_l);
+  float* part = reinterpret_cast<float*>(P.att_partial);
+  const int* pt = reinterpret_cast<const int*>(P.page_table);
+  const long long ps = P.page_stride;
+  const int pos = mk_pos(P), cap = P.att_cap;
+  for (int h = r0; h < r1; ++h) {
+    for (int t = warp; t < M * (MX_G + 1); t += MK_WARPS) {
+      const int i = t / (MX_G + 1), e = t - i * (MX_G + 1);
+      mx_attn_prep(qg, mk_buf<const mx_u16>(P, w[QMK_F_BUF1]), mk_buf<const mx_u16>(P, w[QMK_F_BUF2]),
+                   (const mx_u16*)L.t[0], (const mx_u16*)L.t[1], (const float*)P.inv_freq, pt, ps, kv, q, pos, i,
+                   e < MX_G ? h * MX_G + e : QMK_N_Q_HEADS + h);
+    }
+    __syncthreads();
+    for (int p = 0; p < QMK_ATTN_PARTS; ++p) mx_attn_scores(q, kv, pt, ps, scores, cap, sm_m, sm_l, pos, M, p, h);
+    __syncthreads();
+    for (int p = 0; p < QMK_ATTN_PARTS; ++p) {
+      mx_attn_values(kv, pt, ps, scores, cap, sm_m, sm_l, part, pos, M, p, h, sm.u.att);
+      __syncthreads();
+    }
+    if (threadIdx.x < MX_HD)
+      for (int t = 0; t < M * MX_G; ++t)
+        mx_attn_reduce(part, qg, mk_buf<mx_u16>(P, w[QMK_F_BUF3]), pos, t / MX_G, h * MX_G + t % MX_G);
+    __syncthreads();
+  }
+}
+
+// Thread 0 spins until every wait of the instruction is met (relaxed polls, then one acquire each); the
+// barrier after it orders the whole block's later reads (sync.cuh block_wait, for several counters at once).
+__device__ __forceinline__ void mk_wait_all(const MkParams& P, const int* w, uint32_t step) {
+  if (threadIdx.x == 0) {
+    const uint32_t* ctr = reinterpret_cast<const uint32_t*>(P.counters);
+    for (int k = 0; k < w[QMK_F_NWAITS]; ++k) {
+      const int* t = w + QMK_ISA_WAITS_OFFSET + 3 * k;
+      const uint32_t target = P.seed + step * (uint32_t)t[1] + (uint32_t)t[2];
+      while (!qmk::reached(qmk::ld_relaxed_gpu(ctr + t[0]), target)) { __nanosleep(32); }
+      (void)qmk::ld_acquire_gpu(ctr + t[0]);
+    }
+    if (w[QMK_F_OP] == P.delay_op) {  // debug: make this op slow, so a missing wait on it shows
+      const uint64_t t0 = qmk::globaltimer_ns();
+      while (qmk::globaltimer_ns() - t0 < (uint64_t)P.delay_ns) { __nanosleep(1000); }
+    }
+  }
+  __syncthreads();
+}
+
+// Persistent mode: wait for the host to release step `n` (1-based in this launch). Block 0's thread 0 is the
+// one reader of mapped host memory; it mirrors the go count into the control block's `go` field (and a quit
+// request into mirror[1]) for the grid (article Part 6.3). Returns false when the host asked to quit.
+__device__ bool mk_wait_go(const MkParams& P, uint32_t n, MkSmemTail& sm) {
+  if (threadIdx.x == 0) {
+    uint32_t* mirror = reinterpret_cast<uint32_t*>(P.mirror);
+    uint32_t* go_dev = &reinterpret_cast<QmkControl*>(P.ctrl)->go;
+    int run = -1;
+    while (run < 0) {
+      if (blockIdx.x == 0) {
+        const volatile uint32_t* host = reinterpret_cast<const volatile uint32_t*>(P.host);
+        const uint32_t go = qmk::ld_acquire_sys(host);
+        if (qmk::reached(go, n)) { qmk::st_release_gpu(go_dev, go); run = 1; }
+        else if (qmk::ld_acquire_sys(host + 1)) { qmk::st_release_gpu(mirror + 1, 1u); run = 0; }
+      } else {
+        if (qmk::reached(qmk::ld_relaxed_gpu(go_dev), n)) { (void)qmk::ld_acquire_gpu(go_dev); run = 1; }
+        else if (qmk::ld_relaxed_gpu(mirror + 1)) run = 0;
+      }
+      if (run < 0) __nanosleep(64);
+    }
+    sm.flag = run;
+  }
+  __syncthreads();
+  return sm.flag != 0;
+}
+
+// grid = num_sms (cooperative, 1 block per SM), block MK_THREADS, dynamic shared memory MK_SMEM_BYTES.
+extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_main(const MkParams* __restrict__ params) {
+  extern __shared__ __align__(16) unsigned char mk_smem[];
+  qmk_u16* xn = reinterpret_cast<qmk_u16*>(mk_smem);
+  MkSmemTail& sm = *reinterpret_cast<MkSmemTail*>(mk_smem + MK_XN_BYTES);
+  const qmk_u32 ring = (qmk_u32)__cvta_generic_to_shared(mk_smem) + MK_RING_OFF +
+                       (threadIdx.x >> 5) * QMK_MK_RING * QMK_GEMV_UNIT_BYTES;  // this warp's GEMV weight ring
+  const MkParams& P = *params;
+  const int sm_id = blockIdx.x, len = reinterpret_cast<const int*>(P.lens)[sm_id];
+  const int* prog = reinterpret_cast<const int*>(P.prog) + (size_t)sm_id * P.max_len * QMK_ISA_WORDS;
+#ifdef QMK_MK_TIMING
+  uint64_t* timing = reinterpret_cast<uint64_t*>(P.timing);
+#endif
+  for (int ls = 0; P.persistent || ls < P.n_steps; ++ls) {
+    if (P.persistent && !mk_wait_go(P, (uint32_t)ls + 1u, sm)) break;
+    const uint32_t step = P.step_base + (uint32_t)ls + 1u;
+    int next = threadIdx.x < QMK_ISA_WORDS && len > 0 ? prog[threadIdx.x] : 0;
+    for (int j = 0; j < len; ++j) {
+#ifdef QMK_MK_TIMING
+      uint64_t t0 = 0;
+      if (threadIdx.x == 0) t0 = qmk::globaltimer_ns();
+#endif
+      if (threadIdx.x < QMK_ISA_WORDS) sm.words[threadIdx.x] = next;
+      __syncthreads();
+      // prefetch the next instruction's words while this one runs
+      if (threadIdx.x < QMK_ISA_WORDS && j + 1 < len) next = prog[(size_t)(j + 1) * QMK_ISA_WORDS + threadIdx.x];
+      const int* w = sm.words;
+      mk_wait_all(P, w, step);
+#ifdef QMK_MK_TIMING
+      uint64_t t1 = 0;
+      if (threadIdx.x == 0) t1 = qmk::globaltimer_ns();
+#endif
+      switch (w[QMK_F_OPCODE]) {
+        case QMK_OP_NOP: break;
+        case QMK_OP_EMBED: mk_embed(P, w); break;
+        case QMK_OP_GEMV: mk_gemv(P, w, xn, sm, ring); break;
+        case QMK_OP_GEMV_REDUCE: mk_gemv_reduce(P, w); break;
+        case QMK_OP_GDN_STEP: mk_gdn(P, w, xn, sm); break;
+        case QMK_OP_ATTN: mk_attn(P, w, sm); break;
+        case QMK_OP_ARGMAX: mk_argmax(P, w, sm); break;
+        default: if (threadIdx.x == 0) mk_fail(P, MK_ERR_OPCODE, w[QMK_F_OPCODE]);
+      }
+      const int bump = w[QMK_F_BUMP], by = w[QMK_F_BUMP_BY];
+      if (bump >= 0 && by > 0) qmk::block_bump(reinterpret_cast<uint32_t*>(P.counters) + bump, (uint32_t)by);
+      else __syncthreads();
+#ifdef QMK_MK_TIMING
+      if (threadIdx.x == 0 && timing) {
+        uint64_t* slot = timing + ((size_t)sm_id * P.max_len + j) * 3;
+        slot[0] = t0; slot[1] = t1; slot[2] = qmk::globaltimer_ns();
+      }
+#endif
+    }
+  }
+}
+
+// Layout probe: sizes the runner checks against its NumPy dtypes, and the dynamic shared memory to request.
+extern "C" __global__ void mk_layout(long long* out) {
+  if (threadIdx.x == 0) {
+    out[0] = (long long)MK_SMEM_BYTES;
+    out[1] = sizeof(MkParams);
+    out[2] = sizeof(MkWeight);
+    out[3] = sizeof(MkLayer);
+    out[4] = MK_THREADS;
+    out[5] = QMK_MK_RING;
+  }
+}
