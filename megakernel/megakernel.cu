@@ -12,17 +12,9 @@
 #include "lm_head.cuh"
 #include "gdn.cuh"
 #include "attention.cuh"
-#ifdef __CUDACC_RTC__
-// NVRTC has no constant-expression offsetof, so the generated headers' offset static_asserts cannot compile
-// there; nvcc (discrete/compile_check.py) compiles the same headers with them on.
-#define static_assert(...)
-#endif
 #include "../../megakernel/include/isa.h"
 #include "../../megakernel/include/mk_params.h"
 #include "../../megakernel/include/finish.cuh"
-#ifdef __CUDACC_RTC__
-#undef static_assert
-#endif
 #include "../../megakernel/include/sync.cuh"
 
 #ifndef QMK_VALID_VOCAB

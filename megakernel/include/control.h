@@ -16,6 +16,7 @@ struct QmkControl {
   uint32_t _pad[4];
 };
 static_assert(sizeof(QmkControl) == 96, "control block size");
+#ifndef __CUDACC_RTC__
 static_assert(__builtin_offsetof(QmkControl, step) == 0, "control block layout");
 static_assert(__builtin_offsetof(QmkControl, pos) == 4, "control block layout");
 static_assert(__builtin_offsetof(QmkControl, m_rows) == 8, "control block layout");
@@ -27,3 +28,4 @@ static_assert(__builtin_offsetof(QmkControl, tokens) == 40, "control block layou
 static_assert(__builtin_offsetof(QmkControl, out_token) == 72, "control block layout");
 static_assert(__builtin_offsetof(QmkControl, go) == 76, "control block layout");
 static_assert(__builtin_offsetof(QmkControl, _pad) == 80, "control block layout");
+#endif

@@ -61,12 +61,14 @@ struct QmkBuffer {
   int32_t cols;
 };
 static_assert(sizeof(QmkBuffer) == 32, "QmkBuffer size");
+#ifndef __CUDACC_RTC__
 static_assert(__builtin_offsetof(QmkBuffer, offset) == 0, "QmkBuffer layout");
 static_assert(__builtin_offsetof(QmkBuffer, nbytes) == 8, "QmkBuffer layout");
 static_assert(__builtin_offsetof(QmkBuffer, kind) == 16, "QmkBuffer layout");
 static_assert(__builtin_offsetof(QmkBuffer, dtype) == 20, "QmkBuffer layout");
 static_assert(__builtin_offsetof(QmkBuffer, rows) == 24, "QmkBuffer layout");
 static_assert(__builtin_offsetof(QmkBuffer, cols) == 28, "QmkBuffer layout");
+#endif
 
 struct QmkCounter {
   int32_t expected;
@@ -75,7 +77,9 @@ struct QmkCounter {
   int32_t group;
 };
 static_assert(sizeof(QmkCounter) == 16, "QmkCounter size");
+#ifndef __CUDACC_RTC__
 static_assert(__builtin_offsetof(QmkCounter, expected) == 0, "QmkCounter layout");
 static_assert(__builtin_offsetof(QmkCounter, bumpers) == 4, "QmkCounter layout");
 static_assert(__builtin_offsetof(QmkCounter, op) == 8, "QmkCounter layout");
 static_assert(__builtin_offsetof(QmkCounter, group) == 12, "QmkCounter layout");
+#endif

@@ -47,9 +47,11 @@ struct MkParams {
 
 #ifdef QMK_MKP_SIZE
 static_assert(sizeof(MkParams) == QMK_MKP_SIZE, "MkParams size differs from megakernel/runner.py PARAMS_DTYPE");
+#ifndef __CUDACC_RTC__  // NVRTC cannot evaluate offsetof in a constant expression; nvcc checks these
 static_assert(__builtin_offsetof(MkParams, page_stride) == QMK_MKP_OFF_PAGE_STRIDE, "MkParams layout");
 static_assert(__builtin_offsetof(MkParams, seed) == QMK_MKP_OFF_SEED, "MkParams layout");
 static_assert(__builtin_offsetof(MkParams, delay_ns) == QMK_MKP_OFF_DELAY_NS, "MkParams layout");
+#endif
 static_assert(sizeof(MkWeight) == QMK_MKW_SIZE && sizeof(MkLayer) == QMK_MKL_SIZE, "MkWeight/MkLayer size");
 #endif
 
