@@ -297,19 +297,31 @@ class GraphExecutor(Executor):
                 d.ring[i][...] = a
 
 
-class MegakernelExecutor(Executor):
-    """The persistent cooperative kernel running the assembled program (``megakernel/``)."""
+class MegakernelExecutor(GraphExecutor):
+    """The persistent cooperative kernel running the assembled program (``megakernel.runner.Megakernel``),
+    bound to a ``DecodeStep`` whose weights, arena, state, KV pages and control block it shares.
+
+    Decode: one cooperative launch per step (embedding through lm_head + argmax + control-block update on
+    the GPU). Prefill: the DecodeStep's eager M ≤ 8-row passes, which are bit-identical per row to the
+    megakernel's (``tests/gpu/test_megakernel.py``). Raises ExecutorUnavailable without a GPU."""
 
     name = "megakernel"
 
     def __init__(self, weights, capacity: int, slots: int = 1):
-        check_kind(self.name)
-        try:
-            from megakernel.runner import Megakernel  # noqa: F401
-        except ImportError as e:
-            raise ExecutorUnavailable(f"megakernel executor is not available in this build ({e}); "
-                                      "use --executor graph") from e
-        raise ExecutorUnavailable("megakernel executor: not wired into the host loop yet; use --executor graph")
+        super().__init__(weights, capacity, slots)
+        from megakernel.runner import Megakernel
+
+        t0 = time.perf_counter()
+        self.mk = Megakernel(self.dstep, m_rows=1)
+        self.detail = (f"megakernel: {self.mk.num_sms} SMs × {self.mk.threads} threads, "
+                       f"{int(self.mk.lens.max())} instructions on the longest SM, built in "
+                       f"{time.perf_counter() - t0:.1f} s; prefill = eager passes of {MAX_PREFILL_ROWS} rows; "
+                       f"weights loaded in {self.load_s:.1f} s")
+
+    def step(self, token: int) -> StepOutput:
+        self.mk.step([int(token)])
+        self.mk.check(timeout_s=60.0)  # raises on a deadlock or a kernel-reported error
+        return self._out()
 
 
 def make_executor(kind: str, weights, capacity: int, slots: int = 4) -> Executor:

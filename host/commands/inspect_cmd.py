@@ -18,8 +18,20 @@ from loader.config import PRESETS, preset
 @click.option("--rows", type=click.IntRange(1, 8), default=1, show_default=True, help="M rows (verify step when > 1)")
 @click.option("--kind", type=click.Choice(["decode", "mtp"]), default="decode", show_default=True)
 @click.option("--verify/--no-verify", "check", default=False, help="also run the static verifier (slow for the 27B)")
-def command(preset_name: str, sms: int, fmt: str, layer_limit: int | None, rows: int, kind: str, check: bool) -> None:
+@click.option("--timings", is_flag=True, help="run the program on the GPU with per-instruction timing slots "
+              "(QMK_MK_TIMING build) and print them as JSON")
+@click.option("--context", type=click.IntRange(min=0), default=0, show_default=True, help="with --timings: start position")
+def command(preset_name: str, sms: int, fmt: str, layer_limit: int | None, rows: int, kind: str, check: bool,
+            timings: bool, context: int) -> None:
     """Print the instruction program of one step and its stats (bytes per SM, imbalance, waits, critical path)."""
+    if timings:
+        from host.executors import gpu_available
+        ok, why = gpu_available()
+        if not ok:
+            raise click.ClickException(f"--timings runs the megakernel and needs an NVIDIA GPU: {why}")
+        from megakernel.timings import run
+        click.echo(json.dumps(run(preset_name, steps=2, context=context, num_sms=sms), indent=1))
+        return
     from assembler.graph import mtp_graph, verify_graph
     from assembler.scheduler import schedule
 
