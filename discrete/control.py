@@ -2,7 +2,7 @@
 persistent megakernel) is replayed unchanged for every token because the step's inputs — step number,
 position, input tokens — live here and the finish stage advances them.
 
-Layout is defined once, as a NumPy structured dtype; the C struct in ``megakernel/include/control.h`` is
+Layout is defined once, as a NumPy structured dtype; the C struct in ``discrete/kernels/control.h`` is
 generated from it (``python3 -m discrete.control --write``) and a GPU test confirms the offsets with a probe
 kernel (STYLE.md habit 7).
 """
@@ -32,7 +32,7 @@ CONTROL_DTYPE = np.dtype([
 assert CONTROL_DTYPE.itemsize == 96, CONTROL_DTYPE.itemsize
 
 _CTYPES = {"<u4": "uint32_t", "<i4": "int32_t"}
-HEADER = Path(__file__).resolve().parents[1] / "megakernel" / "include" / "control.h"
+HEADER = Path(__file__).resolve().parent / "kernels" / "control.h"
 
 
 def c_header() -> str:

@@ -14,7 +14,7 @@
 #include "attention.cuh"
 #include "../../megakernel/include/isa.h"
 #include "../../megakernel/include/mk_params.h"
-#include "../../megakernel/include/finish.cuh"
+#include "finish.cuh"
 #include "../../megakernel/include/sync.cuh"
 
 #ifndef QMK_VALID_VOCAB
@@ -214,7 +214,7 @@ __device__ void mk_argmax(const MkParams& P, const int* w, MkSmemTail& sm) {
   }
   if (threadIdx.x == 0) {
     QmkControl* c = reinterpret_cast<QmkControl*>(P.ctrl);
-    mk_finish_step(c, ids, M);
+    qmk_finish_step(c, ids, M);
     if (P.persistent) {
       volatile uint32_t* host = reinterpret_cast<volatile uint32_t*>(P.host);
       qmk::st_release_sys(host + 3, (uint32_t)ids[M - 1]);

@@ -3,15 +3,13 @@
 // its per-segment output buffers, and the finish kernel that advances the control block so that one captured
 // CUDA graph replays unchanged for every token (article Part 6.2).
 //
-// The control block is passed as its uint32 words; QMK_CTRL_* are the word offsets of its fields, generated
-// by discrete/step.py from discrete.control.CONTROL_DTYPE (the one source of the layout).
+// The control block's layout is the generated struct of control.h (from discrete.control.CONTROL_DTYPE, the
+// one source of the layout); its update is finish.cuh, shared with the megakernel.
 // qmk: defines discrete.step:compile_defines
 #include "gemv.cuh"
 #include "norm.cuh"
+#include "finish.cuh"
 
-#ifndef QMK_CTRL_STEP
-#error "finish.cu: the QMK_CTRL_* word offsets come from discrete/step.py (control_defines)"
-#endif
 #define QMK_NORM_THREADS 256
 
 // (1+w) RMSNorm of M rows: x, y [M, n] bf16 (row stride n), w [n] bf16. grid 1, block QMK_NORM_THREADS.
@@ -36,20 +34,10 @@ qmk_reduce_segments(const float* __restrict__ P, int S, int M, int N, int c1, in
     else out2[(size_t)m * (N - c2) + (n - c2)] = v;
 }
 
-// End of a step of M rows (one thread): step += 1; pos += M; out_token = ids[M-1] (greedy argmax of the last
+// End of a step of M rows (qmk_finish_step, finish.cuh): step += 1; pos += M; out_token = ids[M-1] (argmax of the last
 // row); tokens[0] = out_token (the next step's input; teacher-forced / verify rows are written by the host
 // before the next replay); stop = 1 when out_token is an eos id or pos reaches max_pos (never cleared here).
 extern "C" __global__ void __launch_bounds__(32)
 qmk_finish(unsigned int* __restrict__ ctrl, const int* __restrict__ ids, int M) {
-    if (threadIdx.x != 0) return;
-    const int tok = ids[M - 1];
-    const unsigned int pos = ctrl[QMK_CTRL_POS] + (unsigned int)M;
-    ctrl[QMK_CTRL_STEP] += 1u;
-    ctrl[QMK_CTRL_POS] = pos;
-    ctrl[QMK_CTRL_OUT] = (unsigned int)tok;
-    ctrl[QMK_CTRL_TOKENS] = (unsigned int)tok;
-    bool stop = pos >= ctrl[QMK_CTRL_MAX_POS];
-    const unsigned int ne = ctrl[QMK_CTRL_N_EOS];
-    for (unsigned int e = 0; e < ne && e < QMK_CTRL_MAX_EOS; ++e) stop |= (int)ctrl[QMK_CTRL_EOS + e] == tok;
-    if (stop) ctrl[QMK_CTRL_STOP] = 1u;
+    if (threadIdx.x == 0) qmk_finish_step(reinterpret_cast<QmkControl*>(ctrl), ids, M);
 }

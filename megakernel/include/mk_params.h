@@ -3,7 +3,7 @@
 // the static_asserts below check at compile time).
 #pragma once
 #include <cuda/std/cstdint>
-#include "control.h"
+#include "control.h"  // discrete/kernels (on the include path)
 
 // One weight-table entry (assembler Program.weights): a projection segment or a norm vector on the device.
 struct MkWeight {

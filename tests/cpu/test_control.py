@@ -6,7 +6,7 @@ from discrete.control import CONTROL_DTYPE, HEADER, c_header, new_control
 
 
 def test_header_is_fresh():
-    assert HEADER.read_text() == c_header(), "megakernel/include/control.h is stale: python3 -m discrete.control --write"
+    assert HEADER.read_text() == c_header(), "discrete/kernels/control.h is stale: python3 -m discrete.control --write"
 
 
 def test_new_control_fields():

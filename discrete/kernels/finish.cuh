@@ -1,11 +1,10 @@
-// finish.cuh — end of a decode step of M rows as one device function (thread 0 of one block): the control-block
-// update of discrete/kernels/finish.cu (qmk_finish), written against the generated QmkControl struct so the
-// megakernel runs it inside the ARGMAX instruction. step += 1; pos += M; out_token = ids[M-1]; tokens[0] =
+// finish.cuh — end of a decode step of M rows as one device function (one thread): the control-block update,
+// shared by the discrete finish kernel (finish.cu, qmk_finish) and the megakernel's ARGMAX instruction. step += 1; pos += M; out_token = ids[M-1]; tokens[0] =
 // out_token; stop = 1 on an eos id or when pos reaches max_pos (never cleared here).
 #pragma once
 #include "control.h"
 
-__device__ __forceinline__ void mk_finish_step(QmkControl* c, const int* ids, int M) {
+__device__ __forceinline__ void qmk_finish_step(QmkControl* c, const int* ids, int M) {
   const int tok = ids[M - 1];
   const unsigned int pos = c->pos + (unsigned int)M;
   c->step += 1u;
