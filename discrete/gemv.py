@@ -1,5 +1,7 @@
 """Launch code for the GEMV family (``kernels/gemv.cu``): fp8 block-scaled or bf16 projections, split-K
 partials, and the fixed-order reduce with the store / residual / swiglu epilogues (docs/INTERFACES.md §2).
+``Gemv.__call__`` runs both, in one launch where that measured faster (M = 1, S ≤ 8: the last warp of each output
+tile reduces it, fixed split order), else as ``partial`` + ``reduce``; the bits are the same either way.
 
 Device arrays are CuPy arrays holding bit patterns: bf16 as ``uint16``, fp8 e4m3 as ``uint8``. Launches go to
 the current CuPy stream and allocate nothing (the caller preallocates partials and outputs once), so they can be
@@ -17,6 +19,25 @@ from loader.config import ModelConfig
 SOURCES = ("gemv.cu",)
 EPILOGUES = {"store": 0, "residual": 1, "swiglu": 2}
 NULL = np.uint64(0)  # a null pointer argument
+RING_MAX = 0         # default QMK_GEMV_RING_MAX of kernels/gemv.cuh: 0 = register-ring tile (measured faster)
+RING_LIMIT = 8       # deepest shared-memory weight ring the kernel supports (units per warp)
+UNIT_BYTES = 2048    # QMK_GEMV_UNIT_BYTES: one ring slot per warp (16 rows x 128 B of weights)
+FUSE_MAX_SPLIT = 8   # __call__ fuses the reduce for M = 1 and S ≤ this (measured: faster there, slower at M = 8
+                     # and at S = 40; docs/kernels-gemv.md run 4)
+
+
+def ring_depth(tasks_per_slice: int, warps: int, smem_optin: int, ring_max: int = RING_LIMIT) -> tuple[int, int]:
+    """(ring depth R, dynamic shared bytes) for a slice of ``tasks_per_slice`` warp tasks on ``warps`` warps:
+    the deepest ring (≤ ring_max) whose min(warps, tasks) · R · 2 KB fit in ``smem_optin`` bytes.
+    ring_max = 0 selects the register-ring build: (0, 0). Raises ValueError when not even R = 2 fits."""
+    if ring_max == 0:
+        return 0, 0
+    _need(2 <= ring_max <= RING_LIMIT, f"gemv: QMK_GEMV_RING_MAX={ring_max} must be 0 or in [2, {RING_LIMIT}]")
+    used = max(1, min(warps, tasks_per_slice))
+    R = min(ring_max, smem_optin // (used * UNIT_BYTES))
+    _need(R >= 2, f"gemv: {used} warps need {2 * used * UNIT_BYTES} B of shared memory for a 2-deep ring, "
+                  f"the device allows {smem_optin}")
+    return R, used * R * UNIT_BYTES
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -46,8 +67,9 @@ class Gemv:
     ``w``: fp8 bits uint8 [N, K] with ``scale`` bf16 bits uint16 [ceil(N/128), K/128], or bf16 bits uint16
     [N, K] with ``scale=None`` (scale 1). N a multiple of 16, K of 128. ``epilogue``: "store" or "residual"
     (out [M, N]) or "swiglu" (fused [gate; up] weight of 2F rows, out [M, F]). ``split`` defaults to
-    ``split_k(N, K)``. ``defines``: extra compile-time ``QMK_*`` knobs (e.g. QMK_GEMV_STAGES; results do not
-    depend on them). Raises ValueError naming the argument on any contract violation.
+    ``split_k(N, K)``. ``defines``: extra compile-time ``QMK_*`` knobs (e.g. QMK_GEMV_RING_MAX,
+    QMK_GEMV_STAGES; results do not depend on them). Raises ValueError naming the argument on any contract
+    violation.
     """
 
     def __init__(self, cfg: ModelConfig, w, scale=None, *, epilogue: str = "store", split: int | None = None,
@@ -70,13 +92,20 @@ class Gemv:
         self.name, self.w, self.scale, self.N, self.K = name, w, scale, N, K
         self.epilogue, self.epi = epilogue, np.int32(EPILOGUES[epilogue])
         self.split = split_k(N, K) if split is None else int(split)
-        sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-        self.slices = cp.asarray(gemv_slices(N, K, self.split, n_blocks=sms))
-        self.threads = 32 * (FP8_WARPS if self.fp8 else BF16_WARPS)
+        dev = cp.cuda.Device()
+        slices = gemv_slices(N, K, self.split, n_blocks=dev.attributes["MultiProcessorCount"])
+        self.slices = cp.asarray(slices)
+        warps = FP8_WARPS if self.fp8 else BF16_WARPS
+        self.threads = 32 * warps
         self.n_out = N // 2 if epilogue == "swiglu" else N
+        ring_max = int((defines or {}).get("QMK_GEMV_RING_MAX", RING_MAX))
+        optin = cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, dev.id)
+        self.ring, self.smem = ring_depth(int((slices[:, 1] - slices[:, 0]).max()), warps, int(optin), ring_max)
+        self.counters = cp.zeros(self.n_out // ROW_TILE, cp.uint32)  # fused reduce: arrivals per output tile
         mod = module(cfg, defines)
         self._partial = mod.get_function("gemv_fp8_partial" if self.fp8 else "gemv_bf16_partial")
         self._reduce = mod.get_function("gemv_reduce")
+        _allow_smem(self._partial, self.smem)
 
     @property
     def weight_bytes(self) -> int:
@@ -89,17 +118,9 @@ class Gemv:
 
     def partial(self, x, partials):
         """Launch the split-K GEMV: x uint16 [M, K] → view of ``partials`` (flat fp32, ≥ S·M·N) as [S, M, N]."""
-        check_array(x, f"{self.name}: x (bf16 bits)", np.uint16)
-        _need(x.ndim == 2 and x.shape[1] == self.K and 1 <= x.shape[0] <= MAX_ROWS,
-              f"{self.name}: x must be [M, {self.K}] with 1 ≤ M ≤ {MAX_ROWS}, got {tuple(x.shape)}")
-        M = int(x.shape[0])
+        M = self._check_x(x)
         P = self._partials_view(partials, M)
-        n = np.int32
-        if self.fp8:
-            args = (self.w, self.scale, x, n(M), n(self.N), n(self.K), n(self.split), self.slices, P)
-        else:
-            args = (self.w, x, n(M), n(self.N), n(self.K), n(self.split), self.slices, P)
-        self._partial((len(self.slices),), (self.threads,), args)
+        self._launch(x, P, -1, NULL, NULL, NULL)
         return P
 
     def reduce(self, P, out, residual=None):
@@ -109,23 +130,57 @@ class Gemv:
         _need(P.ndim == 3 and P.shape[0] == self.split and P.shape[2] == self.N,
               f"{self.name}: partials must be [{self.split}, M, {self.N}], got {tuple(P.shape)}")
         M = int(P.shape[1])
-        check_array(out, f"{self.name}: out (bf16 bits)", np.uint16, (M, self.n_out), align=4)
-        if self.epilogue == "residual":
-            check_array(residual, f"{self.name}: residual (bf16 bits)", np.uint16, (M, self.N), align=4)
-        else:
-            _need(residual is None, f"{self.name}: residual given for epilogue {self.epilogue!r}")
+        self._check_out(out, residual, M)
         total = M * self.n_out
         n = np.int32
         self._reduce(((total + 255) // 256,), (256,),
                      (P, n(self.split), n(M), n(self.N), self.epi, residual if residual is not None else NULL, out))
         return out
 
-    def __call__(self, x, out, partials, residual=None):
-        """partial + reduce. Returns ``out``."""
-        return self.reduce(self.partial(x, partials), out, residual)
+    def __call__(self, x, out, partials, residual=None, fused: bool | None = None):
+        """partial + reduce: x uint16 [M, K], out uint16 [M, n_out], ``partials`` as for :meth:`partial`
+        (scratch), ``residual`` as for :meth:`reduce`. ``fused`` (default: M = 1 and S ≤ FUSE_MAX_SPLIT, where
+        it measured faster) runs both in one launch (the last warp of each output tile reduces it); the bits are
+        the same either way. Returns ``out``."""
+        M = self._check_x(x)
+        if fused is None:
+            fused = M == 1 and self.split <= FUSE_MAX_SPLIT
+        if not fused:
+            return self.reduce(self.partial(x, partials), out, residual)
+        P = self._partials_view(partials, M)
+        self._check_out(out, residual, M)
+        self._launch(x, P, int(self.epi), residual if residual is not None else NULL, out, self.counters)
+        return out
+
+    def _launch(self, x, P, epi: int, residual, out, counters):
+        n = np.int32
+        M = int(x.shape[0])
+        head = (self.w, self.scale) if self.fp8 else (self.w,)
+        args = head + (x, n(M), n(self.N), n(self.K), n(self.split), self.slices, P, n(self.ring), n(epi),
+                       residual, out, counters)
+        self._partial((len(self.slices),), (self.threads,), args, shared_mem=self.smem)
+
+    def _check_x(self, x) -> int:
+        check_array(x, f"{self.name}: x (bf16 bits)", np.uint16)
+        _need(x.ndim == 2 and x.shape[1] == self.K and 1 <= x.shape[0] <= MAX_ROWS,
+              f"{self.name}: x must be [M, {self.K}] with 1 ≤ M ≤ {MAX_ROWS}, got {tuple(x.shape)}")
+        return int(x.shape[0])
+
+    def _check_out(self, out, residual, M: int) -> None:
+        check_array(out, f"{self.name}: out (bf16 bits)", np.uint16, (M, self.n_out), align=4)
+        if self.epilogue == "residual":
+            check_array(residual, f"{self.name}: residual (bf16 bits)", np.uint16, (M, self.N), align=4)
+        else:
+            _need(residual is None, f"{self.name}: residual given for epilogue {self.epilogue!r}")
 
     def _partials_view(self, partials, M: int):
         check_array(partials, f"{self.name}: partials buffer", np.float32)
         need = self.partials_size(M)
         _need(partials.size >= need, f"{self.name}: partials buffer has {partials.size} floats, needs {need}")
         return partials.reshape(-1)[:need].reshape(self.split, M, self.N)
+
+
+def _allow_smem(kernel, nbytes: int) -> None:
+    """Raise a ``cupy.RawKernel``'s dynamic shared-memory limit to ``nbytes`` when above the 48 KB default."""
+    if nbytes > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < nbytes:
+        kernel.max_dynamic_shared_size_bytes = nbytes

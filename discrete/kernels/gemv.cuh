@@ -70,16 +70,22 @@ __device__ __forceinline__ void qmk_gemv_load_unit(uint4 (&w)[4], const qmk_u8* 
     w[3] = qmk_ld_stream16(p + row8 + 64);
 }
 
-// The mma steps of one unit into d (fp8: steps 0..7; bf16 half h: steps 4h..4h+3).
+// The activation chunks of unit u for lane c (zeros for rows ≥ M: B's column then contributes nothing).
 template <int WK>
-__device__ __forceinline__ void qmk_gemv_unit_mma(float (&d)[4], const uint4 (&w)[4], const qmk_u16* xrow,
-                                                  bool xvalid, int u, int c) {
+__device__ __forceinline__ void qmk_gemv_load_x(uint4 (&xv)[4 / QmkGemvTraits<WK>::UPK], const qmk_u16* xrow,
+                                                bool xvalid, int u, int c) {
     constexpr int UPK = QmkGemvTraits<WK>::UPK, NX = 4 / UPK;
     const int kb = u / UPK, h = u - kb * UPK;
-    uint4 xv[NX];
 #pragma unroll
     for (int i = 0; i < NX; ++i)
         xv[i] = xvalid ? qmk_ld16(xrow + kb * QMK_KBLK + QmkGemvTraits<WK>::xoff(NX * h + i, c)) : make_uint4(0, 0, 0, 0);
+}
+
+// The mma steps of one unit into d (fp8: steps 0..7; bf16 half h: steps 4h..4h+3), activation chunks given.
+template <int WK>
+__device__ __forceinline__ void qmk_gemv_unit_mma_x(float (&d)[4], const uint4 (&w)[4],
+                                                    const uint4 (&xv)[4 / QmkGemvTraits<WK>::UPK]) {
+    constexpr int UPK = QmkGemvTraits<WK>::UPK;
 #pragma unroll
     for (int t = 0; t < 8 / UPK; ++t) {  // t: step within the unit
         qmk_u32 a0, a1, a2, a3;
@@ -94,6 +100,15 @@ __device__ __forceinline__ void qmk_gemv_unit_mma(float (&d)[4], const uint4 (&w
         }
         qmk_mma_bf16_16816(d, a0, a1, a2, a3, qmk_u4c(xv[t >> 1], 2 * (t & 1)), qmk_u4c(xv[t >> 1], 2 * (t & 1) + 1));
     }
+}
+
+// Both of the above (the register-ring tile).
+template <int WK>
+__device__ __forceinline__ void qmk_gemv_unit_mma(float (&d)[4], const uint4 (&w)[4], const qmk_u16* xrow,
+                                                  bool xvalid, int u, int c) {
+    uint4 xv[4 / QmkGemvTraits<WK>::UPK];
+    qmk_gemv_load_x<WK>(xv, xrow, xvalid, u, c);
+    qmk_gemv_unit_mma_x<WK>(d, w, xv);
 }
 
 // One warp: 16-row tile at row0 over K-blocks [kb0, kb1) of a [N, K] weight. Returns the fp32 accumulator
@@ -171,24 +186,192 @@ __device__ __forceinline__ void qmk_gemv_slice(const void* W, const qmk_u16* sca
     }
 }
 
-// Fixed-order split-K reduce of output (m, n): y = P[0]; y = fp32(y + P[s]) for s = 1..S-1.
+// Fixed-order split-K reduce of output (m, n): y = P[0]; y = fp32(y + P[s]) for s = 1..S-1. CG: read P at L2
+// (ld.global.cg), for partials other warps wrote in the same launch (L1 is not coherent).
+template <bool CG = false>
 __device__ __forceinline__ float qmk_gemv_reduce_at(const float* P, int S, int M, int N, int m, int n) {
-    float y = P[(size_t)m * N + n];
-    for (int s = 1; s < S; ++s) y = __fadd_rn(y, P[((size_t)s * M + m) * N + n]);
+    float y = CG ? __ldcg(P + (size_t)m * N + n) : P[(size_t)m * N + n];
+    for (int s = 1; s < S; ++s) {
+        const float* p = P + ((size_t)s * M + m) * N + n;
+        y = __fadd_rn(y, CG ? __ldcg(p) : *p);
+    }
     return y;
 }
 
 // Epilogue of output (m, n) (INTERFACES §2). store: bf16(y); residual: bf16(f32(bf16(y)) + f32(r[m, n]));
 // swiglu (N = 2F rows, gate row n, up row F + n, n < F): bf16(f32(bf16(silu(f32(bf16(g))))) · f32(bf16(u))).
+template <bool CG = false>
 __device__ __forceinline__ qmk_u16 qmk_gemv_epilogue(int epi, const float* P, int S, int M, int N, int m, int n,
                                                      const qmk_u16* resid) {
     if (epi == QMK_EPI_SWIGLU) {
         const int F = N >> 1;
-        const float g = qmk_round_bf16(qmk_gemv_reduce_at(P, S, M, N, m, n));
-        const float u = qmk_round_bf16(qmk_gemv_reduce_at(P, S, M, N, m, F + n));
+        const float g = qmk_round_bf16(qmk_gemv_reduce_at<CG>(P, S, M, N, m, n));
+        const float u = qmk_round_bf16(qmk_gemv_reduce_at<CG>(P, S, M, N, m, F + n));
         return qmk_f2bf(__fmul_rn(qmk_round_bf16(qmk_silu(g)), u));
     }
-    const float y = qmk_gemv_reduce_at(P, S, M, N, m, n);
+    const float y = qmk_gemv_reduce_at<CG>(P, S, M, N, m, n);
     if (epi == QMK_EPI_RESIDUAL) return qmk_f2bf(__fadd_rn(qmk_round_bf16(y), qmk_bf2f(resid[(size_t)m * N + n])));
     return qmk_f2bf(y);
+}
+
+// ---------------------------------------------------------------- shared-memory ring (discrete GEMV kernels)
+// Same tile, same mma steps, same fold as qmk_gemv_tile (bit-identical results), but the weight units travel
+// by cp.async (16 B per lane, L2 → shared, no registers held while in flight) into a per-warp ring of R
+// slots, so R units (R · 2 KB) per warp are in flight instead of the register ring's 2. Each lane reads back
+// only the 64 bytes it copied itself (slot byte 512·j + 16·lane: conflict-free), so the ring needs no barrier,
+// only cp.async.wait_group. R is chosen per launch by the host (discrete/gemv.py: as deep as 227 KB of shared
+// memory allows for the warps a slice needs, at most QMK_GEMV_RING_MAX). Built only with QMK_GEMV_RING_MAX ≥ 2.
+#define QMK_GEMV_UNIT_BYTES 2048  // one unit per warp: 32 lanes × 4 chunks × 16 B
+#ifndef QMK_GEMV_RING_MAX
+// deepest ring (2..8, what qmk_cp_async_wait supports); 0 (default): the register-ring tile qmk_gemv_tile, which
+// measured faster on the H200 (docs/kernels-gemv.md, run 4: the ring lost 5-10 points on tasks of ≤ 10 units)
+#define QMK_GEMV_RING_MAX 0
+#endif
+#ifndef QMK_GEMV_CP_L2
+#define QMK_GEMV_CP_L2 256        // L2 prefetch-size hint of the ring's cp.async (0, 128 or 256 bytes)
+#endif
+#if QMK_GEMV_CP_L2 == 256
+#define QMK_GEMV_CP_OP "cp.async.cg.shared.global.L2::256B"
+#elif QMK_GEMV_CP_L2 == 128
+#define QMK_GEMV_CP_OP "cp.async.cg.shared.global.L2::128B"
+#else
+#define QMK_GEMV_CP_OP "cp.async.cg.shared.global"
+#endif
+
+// 16 bytes global → shared (shared-window address), bypassing L1.
+__device__ __forceinline__ void qmk_cp_async16(qmk_u32 dst, const void* src) {
+    asm volatile(QMK_GEMV_CP_OP " [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void qmk_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Wait until at most n (0..7, warp-uniform) of this thread's cp.async groups are pending.
+__device__ __forceinline__ void qmk_cp_async_wait(int n) {
+    switch (n) {
+        case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+        case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+        case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+        case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+        case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
+        case 5: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
+        case 6: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
+        default: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;
+    }
+}
+
+__device__ __forceinline__ uint4 qmk_lds16(qmk_u32 a) {
+    uint4 r;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(a) : "memory");
+    return r;
+}
+
+// Start the copy of unit u (the four chunks qmk_gemv_load_unit reads) into the slot at dst (this lane's bytes).
+template <int WK>
+__device__ __forceinline__ void qmk_gemv_issue_unit(qmk_u32 dst, const qmk_u8* rowg, size_t row8, int u, int c) {
+    constexpr int UPK = QmkGemvTraits<WK>::UPK;
+    const int kb = u / UPK, h = u - kb * UPK;
+    const qmk_u8* p = rowg + (size_t)kb * QMK_KBLK * QmkGemvTraits<WK>::ESIZE + 128 * h + 16 * c;
+    qmk_cp_async16(dst, p);
+    qmk_cp_async16(dst + 512, p + 64);
+    qmk_cp_async16(dst + 1024, p + row8);
+    qmk_cp_async16(dst + 1536, p + row8 + 64);
+}
+
+// qmk_gemv_tile with the weight units in a ring of R (2..8) slots at shared address ring (this warp's
+// R · 2 KB, 16-byte aligned). One cp.async group is committed per unit (empty past the end), so waiting for
+// ≤ R-1 pending groups means unit u has landed. Results are bit-identical to qmk_gemv_tile.
+template <int WK>
+__device__ __forceinline__ void qmk_gemv_tile_ring(float (&acc)[4], const void* W, const qmk_u16* scale,
+                                                   const qmk_u16* x, int M, int K, int row0, int kb0, int kb1,
+                                                   qmk_u32 ring, int R) {
+    constexpr int UPK = QmkGemvTraits<WK>::UPK;
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const size_t rowbytes = (size_t)K * QmkGemvTraits<WK>::ESIZE;
+    const qmk_u8* rowg = (const qmk_u8*)W + (size_t)(row0 + g) * rowbytes;
+    const size_t row8 = 8 * rowbytes;
+    const qmk_u16* srow = WK == QMK_W_FP8 ? scale + (size_t)(row0 / QMK_KBLK) * (K / QMK_KBLK) : scale;
+    const bool xvalid = g < M;
+    const qmk_u16* xrow = x + (size_t)(xvalid ? g : 0) * K;
+    const qmk_u32 mine = ring + 16 * lane;
+    acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+    const int u0 = kb0 * UPK, u1 = kb1 * UPK;
+    for (int i = 0; i < R - 1; ++i) {
+        if (u0 + i < u1) qmk_gemv_issue_unit<WK>(mine + i * QMK_GEMV_UNIT_BYTES, rowg, row8, u0 + i, c);
+        qmk_cp_async_commit();
+    }
+    float d[4];
+    int slot = 0, slot_next = R - 1;  // ring slots of units u and u + R - 1
+    for (int u = u0; u < u1; ++u) {
+        // refill the slot unit u-1 used: its ld.shared results fed mma instructions already issued
+        if (u + R - 1 < u1) qmk_gemv_issue_unit<WK>(mine + slot_next * QMK_GEMV_UNIT_BYTES, rowg, row8, u + R - 1, c);
+        qmk_cp_async_commit();
+        const float sc = WK == QMK_W_FP8 ? qmk_bf2f(__ldg(srow + u)) : 1.f;  // fp8: unit u = K-block u
+        uint4 xv[4 / UPK];
+        qmk_gemv_load_x<WK>(xv, xrow, xvalid, u, c);  // L1/L2 hits, issued before the wait
+        qmk_cp_async_wait(R - 1);
+        uint4 w[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) w[j] = qmk_lds16(mine + slot * QMK_GEMV_UNIT_BYTES + 512 * j);
+        if (UPK == 1 || (u & 1) == 0) d[0] = d[1] = d[2] = d[3] = 0.f;
+        qmk_gemv_unit_mma_x<WK>(d, w, xv);
+        if (UPK == 1 || (u & 1) == 1) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(sc, d[j]));
+        }
+        slot = slot + 1 == R ? 0 : slot + 1;
+        slot_next = slot_next + 1 == R ? 0 : slot_next + 1;
+    }
+}
+
+// Fused split-K reduce + epilogue (the discrete kernels' epi ≥ 0 mode). After its partial is stored, the warp
+// counts itself in on its output tile's counter; the last of the tile's S warps (swiglu: 2S, gate and up
+// tiles) reads the S partials back at L2 and writes the tile's outputs with qmk_gemv_epilogue — the same
+// fixed split order and rounding as gemv_reduce, so the outputs are bit-identical. The last warp resets the
+// counter to 0 for the next launch. counters: uint32 [output tiles], zero before the first launch.
+// out [M, Nout] bf16 (Nout = N, or N/2 for swiglu); resid [M, N] bf16 or null, may alias out.
+__device__ __forceinline__ void qmk_gemv_finish_tile(const float* P, int S, int M, int N, int epi, int tile,
+                                                     unsigned int* counters, const qmk_u16* resid, qmk_u16* out) {
+    const int lane = threadIdx.x & 31;
+    const int nt = (epi == QMK_EPI_SWIGLU ? N >> 1 : N) / QMK_ROW_TILE;  // output tiles
+    const int o = tile < nt ? tile : tile - nt;                           // swiglu: up tile F/16 + o → o
+    const unsigned int target = (epi == QMK_EPI_SWIGLU ? 2u : 1u) * (unsigned int)S;
+    __syncwarp();  // the warp's partial stores happen before lane 0's release below (as qmk::block_bump)
+    unsigned int old = 0;
+    if (lane == 0) {
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");  // release: the stores above, before the count
+        old = atomicAdd(counters + o, 1u);
+        if (old == target - 1) asm volatile("fence.acq_rel.gpu;" ::: "memory");  // acquire: the others' partials
+    }
+    old = __shfl_sync(0xFFFFFFFFu, old, 0);
+    if (old != target - 1) return;
+    __syncwarp();  // every lane's reads below come after lane 0's acquire
+    if (lane == 0) counters[o] = 0u;  // every arrival of this launch is in; the next launch starts from 0
+    const int nout = nt * QMK_ROW_TILE;
+    for (int i = lane; i < QMK_ROW_TILE * M; i += 32) {
+        const int m = i / QMK_ROW_TILE, n = o * QMK_ROW_TILE + (i - m * QMK_ROW_TILE);
+        out[(size_t)m * nout + n] = qmk_gemv_epilogue<true>(epi, P, S, M, N, m, n, resid);
+    }
+}
+
+// A whole slice on one block of 32·NWARPS threads, as qmk_gemv_slice, with the shared-memory ring (R ≥ 2;
+// R = 0: the register-ring tile) and, for epi ≥ 0, the fused reduce + epilogue. Dynamic shared memory:
+// min(NWARPS, tasks in the slice) · R · 2 KB (warp w's ring at offset w · R · 2 KB).
+template <int WK, int NWARPS>
+__device__ __forceinline__ void qmk_gemv_slice_ring(const void* W, const qmk_u16* scale, const qmk_u16* x, int M,
+                                                    int N, int K, int S, QmkGemvSlice sl, float* P, int R, int epi,
+                                                    const qmk_u16* resid, qmk_u16* out, unsigned int* counters) {
+    extern __shared__ __align__(16) qmk_u8 qmk_gemv_ring_smem[];
+    const int warp = threadIdx.x >> 5;
+    const int per = (K / QMK_KBLK) / S;
+    const qmk_u32 ring = (qmk_u32)__cvta_generic_to_shared(qmk_gemv_ring_smem) + warp * R * QMK_GEMV_UNIT_BYTES;
+    for (int t = sl.task_start + warp; t < sl.task_end; t += NWARPS) {
+        const int tile = t / S, split = t - tile * S, row0 = tile * QMK_ROW_TILE;
+        float acc[4];
+#if QMK_GEMV_RING_MAX >= 2
+        qmk_gemv_tile_ring<WK>(acc, W, scale, x, M, K, row0, split * per, (split + 1) * per, ring, R);
+#else
+        qmk_gemv_tile<WK>(acc, W, scale, x, M, K, row0, split * per, (split + 1) * per);
+#endif
+        qmk_gemv_store_partial(acc, P, M, N, split, row0);
+        if (epi >= 0) qmk_gemv_finish_tile(P, S, M, N, epi, tile, counters, resid, out);
+    }
 }
