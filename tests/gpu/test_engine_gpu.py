@@ -18,7 +18,7 @@ N_TOKENS = 256
 
 
 @pytest.fixture(scope="module")
-def engine_27b(gpu):
+def engine_27b():  # tests/gpu/conftest.py skips every test here without a device
     from host.engine import Engine
     t0 = time.perf_counter()
     eng = Engine.load("qwen3.5-27b", executor="graph", capacity=2048, quiet=True)
@@ -46,6 +46,22 @@ def test_generate_256_tokens_27b(engine_27b):
     _dump("e2e_graph_27b", {"load_s": engine_27b.load_s, "executor_detail": r.executor_detail,
                             "ids": r.ids, "text": r.text, "timings": vars(t),
                             "decode_ms_per_token": 1e3 / t.decode_tokens_per_s})
+    GRAPH_IDS[:] = r.ids
+
+
+GRAPH_IDS: list[int] = []
+
+
+def test_megakernel_executor_matches_graph_27b(engine_27b):
+    """The megakernel executor (same synthetic weights, its own engine) generates the graph path's greedy tokens."""
+    from host.engine import Engine
+    if not GRAPH_IDS:
+        pytest.fail("test_generate_256_tokens_27b did not run first (it records the graph path's tokens)")
+    eng = Engine.load("qwen3.5-27b", executor="megakernel", capacity=2048, quiet=True)
+    r = eng.chat(HAIKU, max_new_tokens=64, stop_ids=[]).result()
+    assert r.executor == "megakernel"
+    assert r.ids == GRAPH_IDS[:64]
+    _dump("e2e_megakernel_27b", {"executor_detail": r.executor_detail, "ids": r.ids, "timings": vars(r.timings)})
 
 
 def test_two_turn_session_equals_fresh_27b(engine_27b):
