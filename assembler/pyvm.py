@@ -22,6 +22,7 @@ from assembler.numerics import attn_partitions
 from assembler.program import Program
 from assembler.ref import ops
 from assembler.ref.numerics import BF16
+from loader.config import FIRST_PADDING_ID
 from assembler.ref.state import ModelState
 from loader.config import ModelConfig
 
@@ -172,7 +173,8 @@ class VM:
         self._b(ins.buf1)[:] = ops.embed(self._get("model.embed_tokens.weight"), self._b(ins.buf0))
 
     def _op_argmax(self, ins) -> None:
-        self._b(ins.buf1)[:] = ops.argmax(self._b(ins.buf0))
+        # the device's greedy choice: padding ids (>= FIRST_PADDING_ID) never compete (lm_head.cuh, megakernel)
+        self._b(ins.buf1)[:] = ops.argmax(self._b(ins.buf0), n_valid=min(FIRST_PADDING_ID, self._b(ins.buf0).shape[-1]))
 
     def _gemv_input(self, ins) -> np.ndarray:
         pro, _ = sub_parts(ins.sub)

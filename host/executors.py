@@ -172,7 +172,7 @@ class CpuExecutor(Executor):
         return StepOutput(logits=np.asarray(logits)[-1])
 
     def step(self, token: int) -> StepOutput:
-        if self.vm is not None:  # the VM's own argmax does not exclude padding ids: the host picks from logits
+        if self.vm is not None:  # the host samples or picks from the logits (padding masked there)
             logits, _ = self.vm.run_step(self._state, [int(token)])
         else:
             logits = self.model.decode(self._state, np.asarray([int(token)], dtype=np.int64))

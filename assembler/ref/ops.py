@@ -182,10 +182,14 @@ def residual_add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return bf16(f32(a) + f32(b))
 
 
-def argmax(logits: np.ndarray) -> np.ndarray:
+def argmax(logits: np.ndarray, n_valid: int | None = None) -> np.ndarray:
     """Greedy token per row: the largest logit, lowest id on ties. logits [M, V] or [V] (bf16 or fp32) → int64
-    [M] (or scalar for 1-D input). NaN logits raise ValueError."""
+    [M] (or scalar for 1-D input). ``n_valid``: only ids below it compete (the engine's greedy step passes
+    ``FIRST_PADDING_ID``: padding rows are never chosen, as in the lm_head kernel). NaN logits raise ValueError."""
     lf = f32(logits)
+    if n_valid is not None:
+        need(0 < n_valid <= lf.shape[-1], f"argmax: n_valid={n_valid} outside 1..{lf.shape[-1]}")
+        lf = lf[..., :n_valid]
     need(not np.isnan(lf).any(), "argmax: logits contain NaN")
     return np.argmax(lf, axis=-1).astype(np.int64)  # numpy returns the first occurrence of the maximum
 

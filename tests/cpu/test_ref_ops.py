@@ -340,3 +340,18 @@ def test_verify_pass_rows_equal_single_steps(tiny_ckpt):
     for i in a.rec:
         assert np.array_equal(a.rec[i].view(np.uint32), b.rec[i].view(np.uint32))
         assert np.array_equal(u16(a.conv[i]), u16(b.conv[i]))
+
+
+def test_argmax_never_picks_padding_ids():
+    """The greedy step's argmax over the defined vocabulary: a dominant padding logit is ignored (as on the GPU);
+    without n_valid (the negative control) it would win."""
+    from loader.config import FIRST_PADDING_ID
+    rng = np.random.default_rng(11)
+    lf = rng.standard_normal((2, 248320)).astype(np.float32)
+    lf[0, FIRST_PADDING_ID + 5] = 100.0
+    lf[1, 7] = lf[1, 9] = 50.0
+    logits = lf.astype(BF16)
+    got = ops.argmax(logits, n_valid=FIRST_PADDING_ID)
+    assert got[0] < FIRST_PADDING_ID and got[0] == np.argmax(lf[0, :FIRST_PADDING_ID])
+    assert got[1] == 7
+    assert ops.argmax(logits)[0] == FIRST_PADDING_ID + 5
