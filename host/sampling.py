@@ -56,7 +56,8 @@ class Sampler:
 
     def __init__(self, params: SamplingParams):
         self.params = params
-        self.seed = params.seed if params.seed is not None else secrets.randbits(63)
+        # greedy decoding draws nothing: no seed to record; sampling records the seed used so runs replay
+        self.seed = params.seed if (params.seed is not None or params.greedy) else secrets.randbits(63)
         self.rng = np.random.Generator(np.random.PCG64(self.seed))
 
     def __call__(self, logits: np.ndarray) -> int:

@@ -181,7 +181,10 @@ class Tokenizer:
         path = Path(path)
         if not path.is_file():
             raise TokenizerError(f"tokenizer file not found: {path}")
-        tk = HFTokenizer.from_file(str(path))
+        try:
+            tk = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises a bare Exception on malformed JSON
+            raise TokenizerError(f"{path}: not a valid tokenizer.json ({e})") from None
         for sid, spec in sorted((added_tokens_decoder or {}).items(), key=lambda kv: int(kv[0])):
             i = int(sid)
             if tk.id_to_token(i) is not None:
@@ -201,7 +204,15 @@ class Tokenizer:
         if (d / "config.json").is_file():
             vocab_size = ModelConfig.from_file(d / "config.json").vocab_size
         cfg_path = d / "tokenizer_config.json"
-        added = json.loads(cfg_path.read_text(encoding="utf-8")).get("added_tokens_decoder") if cfg_path.is_file() else None
+        added = None
+        if cfg_path.is_file():
+            try:
+                tcfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise TokenizerError(f"{cfg_path}: not valid JSON ({e})") from None
+            if not isinstance(tcfg, dict):
+                raise TokenizerError(f"{cfg_path}: expected a JSON object")
+            added = tcfg.get("added_tokens_decoder")
         return cls.from_file(d / "tokenizer.json", vocab_size, added)
 
     @classmethod

@@ -38,6 +38,8 @@ def assistant_message(engine, ids: list[int], text: str, thinking: bool) -> dict
 def command(system, timings, **kw):
     """Chat interactively (keeps the session between turns)."""
     check_model_args(kw)
+    from host.sampling import SamplingParams  # bad sampling flags fail before the model loads
+    SamplingParams(kw["temperature"], kw["top_k"], kw["top_p"], kw["seed"])
     eng = load_engine(kw)
     sess = eng.new_session()
     base = [{"role": "system", "content": system}] if system else []

@@ -95,7 +95,7 @@ def timing_line(r) -> str:
 
 
 def read_prompt(prompt: str | None) -> str:
-    if prompt is not None:
+    if prompt is not None and prompt != "-":  # "-" reads stdin, as many CLIs do
         return prompt
     stdin = sys.stdin
     if stdin.isatty():

@@ -23,9 +23,13 @@ from loader.synthetic import MAX_SHARD_BYTES, write_checkpoint
 def command(preset_name: str, out: str, seed: int, shard_bytes: int, max_shards: int | None, workers: int,
             no_tokenizer: bool) -> None:
     """Write a synthetic checkpoint (config, generation config, safetensors shards + index, tokenizer) to OUT."""
-    res = write_checkpoint(preset(preset_name), out, seed, tokenizer="skip" if no_tokenizer else "require",
-                           max_shard_bytes=shard_bytes, max_shards=max_shards, workers=workers,
-                           log=click.echo)
+    try:
+        res = write_checkpoint(preset(preset_name), out, seed, tokenizer="skip" if no_tokenizer else "require",
+                               max_shard_bytes=shard_bytes, max_shards=max_shards, workers=workers,
+                               log=click.echo)
+    except OSError as e:  # unwritable or full destination: one line naming the path, non-zero exit
+        raise click.ClickException(f"cannot write the checkpoint to --out {out}: {e.strerror or e} "
+                                   f"({e.filename or out})") from None
     done = "partial " if max_shards else ""
     click.echo(f"wrote {done}{preset_name} checkpoint (seed {seed}) to {out}: {res['shards']} shard(s), "
                f"{res['bytes'] / 1e9:.3f} GB of tensors in {res['seconds']:.1f} s "

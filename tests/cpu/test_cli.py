@@ -130,3 +130,42 @@ def test_bench_lists_and_refuses_without_gpu():
         pytest.skip("a GPU is present")
     r = run(["bench"])
     assert r.exit_code == ExecutorUnavailable.exit_code and "need an NVIDIA GPU" in r.stderr
+
+
+def test_dash_reads_stdin_and_greedy_records_no_seed(fake_engine):
+    r = run(["generate", "-", "--json", "--max-new-tokens", "2"], input="Write a haiku about the sea\n")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    tk = fake_engine[0].tokenizer
+    assert d["timings"]["prompt_tokens"] == len(tk.encode(fake_engine[0].template.render(
+        [{"role": "user", "content": "Write a haiku about the sea\n"}])))  # not the literal prompt "-"
+    assert d["seed"] is None  # greedy draws nothing
+    s = json.loads(run(["generate", "hi", "--json", "--max-new-tokens", "2", "--temperature", "1"]).stdout)
+    assert isinstance(s["seed"], int)  # sampling records the seed it drew
+
+
+def test_chat_rejects_bad_sampling_before_loading(monkeypatch):
+    import host.commands.chat as chat
+    monkeypatch.setattr(chat, "load_engine", lambda kw: pytest.fail("the model was loaded before the flags were checked"))
+    r = run(["chat", "--temperature", "-1"], input="hello\n")
+    assert r.exit_code == InvalidArgument.exit_code and "temperature" in r.stderr
+
+
+def test_corrupt_tokenizer_files_name_the_file(tmp_path, tiny_ckpt):
+    import shutil
+    d = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, d)
+    (d / "tokenizer.json").write_text('{"x":')
+    r = run(["generate", "hi", "--model", str(d), "--executor", "cpu"])
+    assert r.exit_code == ModelLoadError.exit_code and "tokenizer.json: not a valid tokenizer.json" in r.stderr
+    shutil.copy(tiny_ckpt / "tokenizer.json", d / "tokenizer.json")
+    (d / "tokenizer_config.json").write_text('{"x":')
+    r = run(["generate", "hi", "--model", str(d), "--executor", "cpu"])
+    assert r.exit_code == ModelLoadError.exit_code and "tokenizer_config.json: not valid JSON" in r.stderr
+
+
+def test_make_checkpoint_unwritable_destination(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    r = run(["make-checkpoint", "--preset", "tiny", "--out", str(blocker / "ckpt"), "--no-tokenizer"])
+    assert r.exit_code != 0 and "cannot write the checkpoint to --out" in r.output and "Traceback" not in r.output
