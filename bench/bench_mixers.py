@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from assembler.numerics import attn_partitions
+from bench.harness import replay_times_ms
 from assembler.ref import ops
 from loader.config import preset
 
@@ -40,17 +41,7 @@ def _time_graph(cp, fn, reps=20, warm=3) -> float:
         s.begin_capture()
         fn()
         g = s.end_capture()
-        for _ in range(warm):
-            g.launch(s)
-        ts = []
-        for _ in range(reps):
-            a, b = cp.cuda.Event(), cp.cuda.Event()
-            a.record(s)
-            g.launch(s)
-            b.record(s)
-            b.synchronize()
-            ts.append(cp.cuda.get_elapsed_time(a, b))
-    return float(np.median(ts))
+        return float(np.median(replay_times_ms(g, s, warm, reps)))
 
 
 def bench_gdn(cp, cfg, rng) -> list[dict]:

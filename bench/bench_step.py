@@ -22,7 +22,7 @@ from collections import Counter
 
 import numpy as np
 
-from bench.harness import H200_READ_GBPS, result_file
+from bench.harness import H200_READ_GBPS, replay_times_ms, result_file
 from loader.config import preset
 from loader.synthetic import SyntheticWeights
 
@@ -42,17 +42,7 @@ def _events(cp, stream, fn, n: int) -> float:
 
 
 def _median_graph(cp, stream, g, reps: int) -> float:
-    for _ in range(3):
-        g.launch(stream)
-    ts = []
-    for _ in range(reps):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record(stream)
-        g.launch(stream)
-        b.record(stream)
-        b.synchronize()
-        ts.append(cp.cuda.get_elapsed_time(a, b))
-    return float(np.median(ts))
+    return float(np.median(replay_times_ms(g, stream, 3, reps)))
 
 
 def main(argv=None) -> int:

@@ -36,20 +36,27 @@ def time_rotation(launches, warmup: int = 3, reps: int = 25) -> dict:
         for f in launches:
             f()
         graph = stream.end_capture()
-        for _ in range(warmup):
-            graph.launch(stream)
-        stream.synchronize()
-        times = []
-        for _ in range(reps):
-            a, b = cp.cuda.Event(), cp.cuda.Event()
-            a.record(stream)
-            graph.launch(stream)
-            b.record(stream)
-            b.synchronize()
-            times.append(cp.cuda.get_elapsed_time(a, b) / len(launches))
-    t = np.asarray(times)
+    t = replay_times_ms(graph, stream, warmup, reps) / len(launches)
     return {"median_ms": float(np.median(t)), "min_ms": float(t.min()), "max_ms": float(t.max()),
             "reps": reps, "calls_per_replay": len(launches)}
+
+
+def replay_times_ms(graph, stream, warmup: int = 3, reps: int = 25) -> np.ndarray:
+    """Milliseconds of each of ``reps`` replays of ``graph`` on ``stream`` (CUDA events around each replay),
+    after ``warmup`` untimed replays."""
+    import cupy as cp
+    for _ in range(warmup):
+        graph.launch(stream)
+    stream.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(stream)
+        graph.launch(stream)
+        b.record(stream)
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b))
+    return np.asarray(times)
 
 
 def bandwidth(nbytes: int, ms: float) -> dict:
