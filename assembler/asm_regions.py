@@ -2,13 +2,15 @@
 
 A region is (buffer id, lo, hi) over a per-buffer column space that covers all M rows at once:
 activations [M, W] → columns [0, W); partials [S, M, N] → s·N + row; tokens / next [M] → [0, M);
-state buffers → channels (conv), value heads (recurrent) or KV heads (caches). The scheduler derives waits
+state buffers → channels (conv), value heads (recurrent) or KV heads (caches); attention scratch: roped q →
+columns [0, NQ·HD), scores / stats / partials → split-KV units h·P + p (whatever the memory layout). The scheduler derives waits
 from these regions and the verifier checks them; both read the same decoding so the only thing the verifier
 trusts is what an instruction's words say it touches.
 """
 from __future__ import annotations
 
 from assembler.isa import Instruction, Opcode, sub_parts
+from assembler.numerics import attn_partitions
 
 
 def _buf(prog, name: str) -> int:
@@ -59,10 +61,23 @@ def regions(prog, ins: Instruction) -> tuple[list, list, list]:
         reads = [(ins.buf0, a, b) for a, b in chans] + [(ins.buf1, *vcols), (ins.buf2, 0, W(ins.buf2))]
         state = [(ins.buf4, a, b) for a, b in chans] + [(ins.buf5, r0 * grp, r1 * grp)]
         return reads, [(ins.buf3, *vcols)], state
-    if ins.opcode == Opcode.ATTN:
-        hd, grp = cfg.head_dim, cfg.gqa_group
+    hd, grp, P = cfg.head_dim, cfg.gqa_group, attn_partitions(cfg)
+    if ins.opcode == Opcode.ATTN_PREP:  # KV heads [r0, r1); the KV append is a write of those heads' cache
         reads = [(ins.buf0, r0 * grp * 2 * hd, r1 * grp * 2 * hd), (ins.buf1, r0 * hd, r1 * hd),
                  (ins.buf2, r0 * hd, r1 * hd)]
-        state = [(ins.buf4, r0, r1), (ins.buf5, r0, r1)]
-        return reads, [(ins.buf3, r0 * grp * hd, r1 * grp * hd)], state
+        return reads, [(ins.buf3, r0 * grp * hd, r1 * grp * hd), (ins.buf4, r0, r1), (ins.buf5, r0, r1)], []
+    if ins.opcode in (Opcode.ATTN_SCORES, Opcode.ATTN_VALUES):  # units h·P + p of one head h
+        h = r0 // P
+        if (r1 - 1) // P != h:
+            raise ValueError(f"{op.name}: split-KV units [{r0}, {r1}) span two KV heads")
+        if ins.opcode == Opcode.ATTN_SCORES:
+            reads = [(ins.buf0, h * grp * hd, (h + 1) * grp * hd), (ins.buf4, h, h + 1)]
+            return reads, [(ins.buf1, r0, r1), (ins.buf2, r0, r1), (ins.buf3, r0, r1)], []
+        reads = [(ins.buf0, r0, r1), (ins.buf1, h * P, (h + 1) * P), (ins.buf2, h * P, (h + 1) * P),
+                 (ins.buf5, h, h + 1)]
+        return reads, [(ins.buf3, r0, r1)], []
+    if ins.opcode == Opcode.ATTN_REDUCE:  # query heads [r0, r1): partials of their KV heads, gate halves of q|gate
+        h0, h1 = r0 // grp, (r1 - 1) // grp + 1
+        reads = [(ins.buf0, r0 * 2 * hd, r1 * 2 * hd), (ins.buf1, h0 * P, h1 * P)]
+        return reads, [(ins.buf3, r0 * hd, r1 * hd)], []
     raise ValueError(f"regions: opcode {ins.opcode} has no regions")

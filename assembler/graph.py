@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from assembler.numerics import MAX_ROWS, ROW_TILE, split_k
+from assembler.numerics import MAX_ROWS, ROW_TILE, attn_partitions, split_k
 from loader.config import FULL, ModelConfig
 
 DTYPE_BYTES = {"bf16": 2, "f32": 4, "i32": 4}
@@ -21,7 +21,9 @@ DTYPE_BYTES = {"bf16": 2, "f32": 4, "i32": 4}
 @dataclass(frozen=True)
 class Buffer:
     """A named buffer. ``shape`` in elements; kind: ``act`` (SSA activation, NaN-poisoned each step),
-    ``partial`` (fp32 split-K partials [S, M, N]), ``io`` (tokens in / out), ``state`` (persists across steps)."""
+    ``partial`` (fp32 split-K partials [S, M, N]), ``io`` (tokens in / out), ``state`` (persists across steps),
+    ``scratch`` (intermediates between the stages of one op, SSA and poisoned like ``act``; a 0 in the shape is
+    the KV capacity; the device keeps one copy for all layers, see ``_attn_layer``)."""
     name: str
     shape: tuple[int, ...]
     dtype: str
@@ -70,7 +72,8 @@ class Op:
     tuple of (segment index, row_start, row_end) for gemv or a (head_start, head_end) unit for gdn/attn; every
     group has its own completion counter. ``norm``: (input buffer, norm weight name) prologue, or for the MTP
     input a pair of them (concatenated). ``norm_out``: buffer the op's first slice also writes the normalised
-    input to (the head's final-normed hidden, the MTP head's input)."""
+    input to (the head's final-normed hidden, the MTP head's input). ``scratch``: buffers only the op's own
+    stages write and read (attention: roped q, scores, stats max / sum, partials)."""
     name: str
     kind: str
     layer: int
@@ -83,6 +86,7 @@ class Op:
     groups: tuple = ()
     state: tuple[str, ...] = ()
     norm_out: str | None = None
+    scratch: tuple[str, ...] = ()
 
 
 @dataclass
@@ -160,9 +164,17 @@ def _attn_layer(g: Graph, i: int, x: str, x_mid: str) -> None:
     o = g.buf(f"o.{i}", (m, cfg.attn_out_dim), "bf16")
     kc = g.buf(f"kcache.{i}", (0, nkv, hd), "bf16", "state")
     vc = g.buf(f"vcache.{i}", (0, nkv, hd), "bf16", "state")
+    # stage intermediates (discrete/attention.py's scratch; one device copy serves every layer, safe because a
+    # layer's attention completes before the next layer's starts: its o projection waits on the reduce)
+    P = attn_partitions(cfg)
+    scratch = (g.buf(f"attq.{i}", (m, nq * hd), "bf16", "scratch"),          # roped queries [M, NQ, HD]
+               g.buf(f"atts.{i}", (m, nq, 0), "bf16", "scratch"),            # scores [M, NQ, capacity]
+               g.buf(f"attm.{i}", (m, nq, P), "f32", "scratch"),             # per-partition max
+               g.buf(f"attl.{i}", (m, nq, P), "f32", "scratch"),             # per-partition exp-sum
+               g.buf(f"attp.{i}", (m, nq, P, hd), "f32", "scratch"))         # per-partition partial o
     kv = 2 * nkv * hd * 2 * m  # K/V rows appended and read back at context length m; + 2·nkv·hd·2 per token of context
     g.ops.append(Op(f"L{i}.attn", "attn", i, (qg, k, v), (o,), 2 * kv,
-                    4 * m * nq * hd, groups=tuple((h, h + 1) for h in range(nkv)), state=(kc, vc)))
+                    4 * m * nq * hd, groups=tuple((h, h + 1) for h in range(nkv)), state=(kc, vc), scratch=scratch))
     segs = [_seg(cfg, [p + "self_attn.o_proj.weight"], cfg.hidden_size, cfg.attn_out_dim, "residual", x_mid, x)]
     _gemv(g, f"L{i}.out", i, o, (), segs)
 

@@ -19,8 +19,18 @@ Opcodes (what each fuses; its waits come from the scheduler, its bump is its own
   GDN_STEP     key heads [row_start, row_end) of layer ``layer``: in_proj_a/b (RMSNorm prologue of buf2), conv
                step, l2norm, gates, delta rule on the recurrent state, gated norm → buf3 (= o).
                buf0 = qkv, buf1 = z, buf4 = conv state, buf5 = recurrent state.
-  ATTN         KV heads [row_start, row_end): q/k norm, partial RoPE, KV append, split-KV decode, sigmoid gate
-               → buf3 (= o). buf0 = q|gate, buf1 = k, buf2 = v, buf4 = K cache, buf5 = V cache.
+  ATTN_PREP    KV heads [row_start, row_end): q/k norm, partial RoPE of the group's query heads and the KV head,
+               KV append at the rows' positions. buf0 = q|gate, buf1 = k, buf2 = v → buf3 = roped q scratch,
+               buf4 = K cache, buf5 = V cache (the layer's base in the page pool).
+  ATTN_SCORES  split-KV units [row_start, row_end) (unit u = KV head u // P, partition u % P, P =
+               numerics.attn_partitions; one instruction never spans heads): bf16 scores of the head's query
+               group over the partition's keys and the per-partition softmax stats. buf0 = roped q, buf4 = K
+               cache → buf1 = scores, buf2 = stats max, buf3 = stats sum.
+  ATTN_VALUES  units [row_start, row_end): the head's stats merged over all P partitions in partition order,
+               p_j = bf16(exp(s_j − M) / L), fp32 partial o_p = Σ p_j v_j. buf0 = scores, buf1 = stats max,
+               buf2 = stats sum, buf5 = V cache → buf3 = partials [M, NQ, P, HD].
+  ATTN_REDUCE  query heads [row_start, row_end): partials summed in partition order, bf16, × bf16(sigmoid(gate)).
+               buf0 = q|gate, buf1 = partials → buf3 (= o).
   ARGMAX       greedy token per row of the logits buf0 → buf1 (lowest id on ties).
 """
 from __future__ import annotations
@@ -44,8 +54,14 @@ class Opcode(enum.IntEnum):
     GEMV = 2
     GEMV_REDUCE = 3
     GDN_STEP = 4
-    ATTN = 5
+    ATTN_PREP = 5
     ARGMAX = 6
+    ATTN_SCORES = 7
+    ATTN_VALUES = 8
+    ATTN_REDUCE = 9
+
+
+ATTN_OPCODES = (Opcode.ATTN_PREP, Opcode.ATTN_SCORES, Opcode.ATTN_VALUES, Opcode.ATTN_REDUCE)
 
 
 class Sub(enum.IntFlag):
@@ -79,7 +95,8 @@ class Instruction:
     """One instruction; the field order is the word order. Unused buffer/weight fields are −1.
 
     layer: decoder layer (num_hidden_layers for the MTP layer, −1 for none); m: activation rows (1..8);
-    row_start/row_end: output rows (GEMV family, local to weight w0) or head range (GDN_STEP, ATTN);
+    row_start/row_end: output rows (GEMV family, local to weight w0), key heads (GDN_STEP), KV heads
+    (ATTN_PREP), split-KV units head·P + partition (ATTN_SCORES / ATTN_VALUES) or query heads (ATTN_REDUCE);
     split/nsplit: split-K index and factor; buf0..buf5: buffer-table ids; w0, w1: weight-table ids;
     bump: counter id this instruction adds ``bump_by`` to when done; waits: (counter, expected, offset)."""
     opcode: int
@@ -141,7 +158,7 @@ assert len(FIELDS) <= WAITS_OFFSET, "instruction header overlaps the wait list"
 BUFFER_DTYPE = np.dtype([("offset", "<i8"), ("nbytes", "<i8"), ("kind", "<i4"), ("dtype", "<i4"),
                          ("rows", "<i4"), ("cols", "<i4")], align=True)
 COUNTER_DTYPE = np.dtype([("expected", "<i4"), ("bumpers", "<i4"), ("op", "<i4"), ("group", "<i4")], align=True)
-BUFFER_KINDS = {"act": 0, "partial": 1, "io": 2, "state": 3}
+BUFFER_KINDS = {"act": 0, "partial": 1, "io": 2, "state": 3, "scratch": 4}
 BUFFER_DTYPES = {"bf16": 0, "f32": 1, "i32": 2}
 
 

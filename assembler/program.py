@@ -14,9 +14,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from assembler.graph import Buffer, Graph
-from assembler.isa import (BUFFER_DTYPE, BUFFER_DTYPES, BUFFER_KINDS, COUNTER_DTYPE, FIELDS, WORDS, Instruction,
-                           Opcode, sub_parts)
+from assembler.numerics import attn_partitions
+from assembler.isa import (ATTN_OPCODES, BUFFER_DTYPE, BUFFER_DTYPES, BUFFER_KINDS, COUNTER_DTYPE, FIELDS, WORDS,
+                           Instruction, Opcode, sub_parts)
 
+STAGE_OPCODES = {"main": {Opcode.EMBED, Opcode.GEMV, Opcode.GDN_STEP, Opcode.ATTN_PREP, Opcode.ARGMAX},
+                 "reduce": {Opcode.GEMV_REDUCE, Opcode.ATTN_REDUCE}, "scores": {Opcode.ATTN_SCORES},
+                 "values": {Opcode.ATTN_VALUES}}
 HBM_BYTES_PER_S = 4468e9  # measured, shared/spec/h200.md
 ARENA_ALIGN = 256
 
@@ -79,24 +83,38 @@ class Program:
     def slices(self, op_name: str, stage: str = "main") -> list[tuple[int, int, int, int, int]]:
         """The partition of an op: (sm, row_start, row_end, split_index, segment) per instruction, in SM order.
 
-        ``stage`` is "main" (GEMV partials / direct outputs, GDN / attention heads) or "reduce". Rows are
-        local to the segment (weight w0) for GEMV ops and head ranges for GDN / attention. The discrete kernels
-        launch one block per slice of this same list. Raises KeyError for an unknown op."""
+        ``stage`` is "main" (GEMV partials / direct outputs, GDN heads, attention prep per KV head), "reduce"
+        (GEMV reduce, attention reduce per query-head run), "scores" or "values" (attention split-KV units
+        h·P + p). Rows are local to the segment (weight w0) for GEMV ops and head / unit ranges otherwise. The
+        discrete kernels launch one block per slice of this same list. Raises KeyError for an unknown op or stage."""
         oi = self.graph.ops.index(self.graph.op(op_name))
-        want = Opcode.GEMV_REDUCE if stage == "reduce" else None
+        want = STAGE_OPCODES[stage]
         out = []
         for s, lst in enumerate(self.sm_lists):
             for ins in lst:
-                if ins.op != oi or (want is not None) != (ins.opcode == Opcode.GEMV_REDUCE):
+                if ins.op != oi or ins.opcode not in want:
                     continue
                 seg = self.weight_segment[ins.w0][1] if ins.w0 >= 0 and ins.w0 in self.weight_segment else 0
                 out.append((s, ins.row_start, ins.row_end, ins.split, seg))
         return out
 
     # ------------------------------------------------------------------ stats
-    def stats(self) -> dict:
-        """Instructions / bytes per SM, imbalance, waits, estimated critical path (see module docstring)."""
-        nb = np.array([sum(b) for b in self.item_bytes], np.float64)
+    def kv_bytes(self, ins: Instruction, context: int) -> int:
+        """K / V bytes an attention instruction streams when the step starts at ``context`` cached keys (its
+        split-KV units' share of every row's keys, at most the longest row's); 0 for other opcodes."""
+        if ins.opcode not in (Opcode.ATTN_SCORES, Opcode.ATTN_VALUES) or context <= 0:
+            return 0
+        cfg = self.graph.cfg
+        keys = -(-(context + self.graph.m) // attn_partitions(cfg))  # keys per partition, longest row
+        return (ins.row_end - ins.row_start) * keys * cfg.head_dim * 2
+
+    def stats(self, kv_context: int = 0) -> dict:
+        """Instructions / bytes per SM, imbalance, waits, estimated critical path (see module docstring).
+        ``kv_context`` > 0 adds the attention instructions' K / V bytes at that context to their item bytes (the
+        graph's bytes are the weights'; a context is a property of the step, not of the program)."""
+        item = [[b + self.kv_bytes(ins, kv_context) for b, ins in zip(bs, lst)]
+                for bs, lst in zip(self.item_bytes, self.sm_lists)]
+        nb = np.array([sum(b) for b in item], np.float64)
         ni = np.array([len(l) for l in self.sm_lists])
         mean = float(nb.mean()) if nb.size else 0.0
         per_sm_bw = HBM_BYTES_PER_S / self.num_sms
@@ -107,7 +125,7 @@ class Program:
         for s, j in order:
             ins = self.sm_lists[s][j]
             start = max([sm_t[s]] + [done_t[c] for c, _, o in ins.waits if o == 0])
-            sm_t[s] = start + self.item_bytes[s][j] / per_sm_bw
+            sm_t[s] = start + item[s][j] / per_sm_bw
             if ins.bump >= 0:
                 done_t[ins.bump] = max(done_t[ins.bump], sm_t[s])
                 left[ins.bump] -= 1
@@ -138,7 +156,9 @@ class Program:
             partial = ins.opcode == Opcode.GEMV and ins.nsplit > 1
             body = (f"{op.name} seg{self.weight_segment[ins.w0][1]} rows[{ins.row_start}:{ins.row_end}] "
                     f"split {ins.split}/{ins.nsplit} {pro}/{epi} in={b(ins.buf0)} out={b(ins.buf3 if partial else ins.buf1)}")
-        elif ins.opcode in (Opcode.GDN_STEP, Opcode.ATTN):
+        elif ins.opcode in (Opcode.ATTN_SCORES, Opcode.ATTN_VALUES):
+            body = f"{op.name} units[{ins.row_start}:{ins.row_end}]"
+        elif ins.opcode in (Opcode.GDN_STEP,) + ATTN_OPCODES:
             body = f"{op.name} heads[{ins.row_start}:{ins.row_end}]"
         else:
             body = op.name

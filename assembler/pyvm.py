@@ -18,7 +18,7 @@ import numpy as np
 
 from assembler.graph import ab_split, layer_prefix
 from assembler.isa import Instruction, Opcode, sub_parts
-from assembler.numerics import attn_partitions
+from assembler.numerics import attn_partition_range, attn_partitions
 from assembler.program import Program
 from assembler.ref import ops
 from assembler.ref.numerics import BF16
@@ -84,10 +84,11 @@ class VM:
         for name, b in self.g.buffers.items():
             if b.kind == "state":
                 continue
+            shape = tuple(d or state.capacity for d in b.shape)  # a 0 extent (attention scores) = KV capacity
             if b.dtype == "i32":
-                self.buf[name] = np.full(b.shape, -1, np.int32)
+                self.buf[name] = np.full(shape, -1, np.int32)
             else:
-                self.buf[name] = np.full(b.shape, np.nan, np.float32).astype(BF16 if b.dtype == "bf16" else np.float32)
+                self.buf[name] = np.full(shape, np.nan, np.float32).astype(BF16 if b.dtype == "bf16" else np.float32)
         self.buf["tokens"][:] = tokens
         if "hidden" in self.buf:
             if hidden is None or hidden.shape != self.buf["hidden"].shape or hidden.dtype != BF16:
@@ -245,25 +246,59 @@ class VM:
         o = ops.rmsnorm_gated(np.stack(outs), z, self._get(pre + "norm.weight"), c.rms_norm_eps)
         self._b(ins.buf3)[:, cols] = o.reshape(M, -1)
 
-    def _op_attn(self, ins) -> None:
+    # attention: four stages over the scratch buffers (roped q [M, NQ·HD], scores [M, NQ, cap], stats max / sum
+    # [M, NQ, P], partials [M, NQ, P, HD]); row t has context pos0 + t + 1 and its own partition ranges
+    def _kv(self, li: int):
+        mtp = li == self.cfg.num_hidden_layers
+        return (self.state.mtp_k, self.state.mtp_v) if mtp else (self.state.k[li], self.state.v[li])
+
+    def _units(self, ins):
+        """(row t, KV head h, query heads slice, key range) of every non-empty (row, partition) of the units."""
+        G = self.cfg.gqa_group
+        for u in range(ins.row_start, ins.row_end):
+            h, p = divmod(u, self.parts)
+            for t in range(self.g.m):
+                r = attn_partition_range(self.pos0 + t + 1, self.parts, p)
+                if len(r):
+                    yield t, h, p, slice(h * G, (h + 1) * G), slice(r.start, r.stop)
+
+    def _op_attn_prep(self, ins) -> None:
         c, li, (g0, g1), M = self.cfg, ins.layer, (ins.row_start, ins.row_end), self.g.m
         pre = layer_prefix(c, li) + "self_attn."
         hd, grp, n = c.head_dim, c.gqa_group, ins.row_end - ins.row_start
         pos = self.pos0 + np.arange(M)
-        q, gate, k, v = ops.attn_prep(self._b(ins.buf0)[:, g0 * grp * 2 * hd:g1 * grp * 2 * hd],
-                                      self._b(ins.buf1)[:, g0 * hd:g1 * hd], self._b(ins.buf2)[:, g0 * hd:g1 * hd],
-                                      self._get(pre + "q_norm.weight"), self._get(pre + "k_norm.weight"), pos,
-                                      _group_cfg(c, n))
-        mtp = li == c.num_hidden_layers
-        K = self.state.mtp_k if mtp else self.state.k[li]
-        V = self.state.mtp_v if mtp else self.state.v[li]
+        q, _, k, v = ops.attn_prep(self._b(ins.buf0)[:, g0 * grp * 2 * hd:g1 * grp * 2 * hd],
+                                   self._b(ins.buf1)[:, g0 * hd:g1 * hd], self._b(ins.buf2)[:, g0 * hd:g1 * hd],
+                                   self._get(pre + "q_norm.weight"), self._get(pre + "k_norm.weight"), pos,
+                                   _group_cfg(c, n))
+        K, V = self._kv(li)
         if self.pos0 + M > K.shape[0]:
             raise ValueError(f"VM: KV capacity {K.shape[0]} exceeded at position {self.pos0 + M}")
         K[pos, g0:g1], V[pos, g0:g1] = k, v
-        o = np.empty((M, n * grp, hd), BF16)
+        self._b(ins.buf3)[:, g0 * grp * hd:g1 * grp * hd] = q.reshape(M, -1)
+
+    def _op_attn_scores(self, ins) -> None:
+        K, _ = self._kv(ins.layer)
+        q = self._b(ins.buf0).reshape(self.g.m, -1, self.cfg.head_dim)
+        S, Sm, Sl = self._b(ins.buf1), self._b(ins.buf2), self._b(ins.buf3)
+        for t, h, p, qh, r in self._units(ins):
+            s = ops.attn_part_scores(q[t, qh], K[r, h])
+            S[t, qh, r] = s  # bf16 values: exact
+            Sm[t, qh, p], Sl[t, qh, p] = ops.attn_part_stats(s)
+
+    def _op_attn_values(self, ins) -> None:
+        _, V = self._kv(ins.layer)
+        S, Sm, Sl, O = self._b(ins.buf0), self._b(ins.buf1), self._b(ins.buf2), self._b(ins.buf3)
+        for t, h, p, qh, r in self._units(ins):
+            full = [q for q in range(self.parts) if len(attn_partition_range(self.pos0 + t + 1, self.parts, q))]
+            Mx, Ls = ops.attn_merge_stats([Sm[t, qh, q] for q in full], [Sl[t, qh, q] for q in full])
+            O[t, qh, p] = ops.attn_part_values(S[t, qh, r].astype(np.float32), Mx, Ls, V[r, h])
+
+    def _op_attn_reduce(self, ins) -> None:
+        hd, M, (q0, q1) = self.cfg.head_dim, self.g.m, (ins.row_start, ins.row_end)
+        O = self._b(ins.buf1)
+        gate = self._b(ins.buf0).reshape(M, -1, 2 * hd)[:, q0:q1, hd:]
         for t in range(M):
-            L = self.pos0 + t + 1
-            for h in range(n):
-                o[t, h * grp:(h + 1) * grp] = ops.attn_decode_group(q[t, h * grp:(h + 1) * grp], K[:L, g0 + h],
-                                                                    V[:L, g0 + h], self.parts)
-        self._b(ins.buf3)[:, g0 * grp * hd:g1 * grp * hd] = ops.attn_gate(o.reshape(M, -1), gate)
+            full = [q for q in range(self.parts) if len(attn_partition_range(self.pos0 + t + 1, self.parts, q))]
+            o = ops.attn_merge_values([O[t, q0:q1, q] for q in full])
+            self._b(ins.buf3)[t, q0 * hd:q1 * hd] = ops.attn_gate(o.reshape(1, -1), np.ascontiguousarray(gate[t]).reshape(1, -1))[0]

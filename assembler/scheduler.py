@@ -4,8 +4,10 @@ Partition (DESIGN.md, "both paths share the work partition"): a GEMV op is a seq
 tile of one split of one segment, in group → segment range → split → tile order); units are handed out as
 contiguous runs so that each SM's cumulative bytes approach the mean (water filling: an SM that carried a
 heavy GDN / attention slice gets fewer GEMV rows next). Split-K comes from ``assembler.numerics.split_k`` via
-the graph, never from the SM count. GDN steps (per key head), attention (per KV head), embed and argmax are
-whole items given to the least-loaded SM.
+the graph, never from the SM count. GDN steps (per key head), embed and argmax are whole items given to the
+least-loaded SM. Attention is four stages (prep per KV head; scores and values per run of split-KV partitions
+of one KV head; reduce per run of query heads), each stage's instructions on distinct SMs; the partition count
+P = ``numerics.attn_partitions`` is fixed by the shape, so the cut changes only who computes which partition.
 
 Order: stages in graph order (GEMV partials, then their reduce), so every wait points at an earlier stage:
 no SM ever waits on work later in its own list, and one complete simulation proves every interleaving
@@ -24,7 +26,7 @@ import numpy as np
 from assembler.asm_regions import regions
 from assembler.graph import Graph, Op
 from assembler.isa import MAX_WAITS, Instruction, Opcode, sub_word
-from assembler.numerics import ROW_TILE
+from assembler.numerics import ROW_TILE, attn_partitions
 from assembler.program import Counter, Program
 
 
@@ -104,24 +106,58 @@ class _Builder:
             self.stage += 1
             self.emit(self.whole(), op.bytes, self.counter(oi, "out", 0), opcode=Opcode.ARGMAX, layer=L,
                       m=m, row_start=0, row_end=1, buf0=bid[op.reads[0]], buf1=bid[op.writes[0]], op=oi)
-        elif op.kind in ("gdn_step", "attn"):
+        elif op.kind == "gdn_step":
             self.stage += 1
             per = op.bytes // len(op.groups)
             for gi, (h0, h1) in enumerate(op.groups):
                 sm = self.whole()
-                if op.kind == "gdn_step":
-                    f = dict(opcode=Opcode.GDN_STEP, buf0=bid[op.reads[0]], buf1=bid[op.reads[1]],
-                             buf2=bid[op.reads[2]], buf3=bid[op.writes[0]], buf4=bid[op.state[0]],
-                             buf5=bid[op.state[1]], w1=self.weight((op.norm[1],)))
-                else:
-                    f = dict(opcode=Opcode.ATTN, buf0=bid[op.reads[0]], buf1=bid[op.reads[1]], buf2=bid[op.reads[2]],
-                             buf3=bid[op.writes[0]], buf4=bid[op.state[0]], buf5=bid[op.state[1]])
+                f = dict(opcode=Opcode.GDN_STEP, buf0=bid[op.reads[0]], buf1=bid[op.reads[1]],
+                         buf2=bid[op.reads[2]], buf3=bid[op.writes[0]], buf4=bid[op.state[0]],
+                         buf5=bid[op.state[1]], w1=self.weight((op.norm[1],)))
                 # one counter for all heads: every consumer (the out/o projection) reads the whole output
                 self.emit(sm, per, self.counter(oi, "out", 0), layer=L, m=m, row_start=h0, row_end=h1, op=oi, **f)
+        elif op.kind == "attn":
+            self.add_attn(oi, op)
         elif op.kind == "gemv":
             self.add_gemv(oi, op)
         else:
             raise ValueError(f"scheduler: op {op.name} has unknown kind {op.kind!r}")
+
+    def spread(self, n: int) -> list[int]:
+        """SMs for the ``n`` instructions of one stage: the least loaded first, distinct while n ≤ num_sms (so no
+        two of them run in series on one SM)."""
+        order = np.argsort(self.load, kind="stable")
+        return [int(order[k % self.n]) for k in range(n)]
+
+    def add_attn(self, oi: int, op: Op) -> None:
+        """Attention as four stages, each spread over distinct SMs (docs/megakernel.md): ATTN_PREP per KV head,
+        ATTN_SCORES and ATTN_VALUES per (KV head, run of partitions), ATTN_REDUCE per run of query heads of one KV
+        head. Counters: prep / scores / values per KV head (a head's values wait on all of its scores: the
+        merged softmax stats), one ``out`` counter for the reduce (the o projection reads all of o)."""
+        bid, cfg, m, L = self.buffer_id, self.g.cfg, self.g.m, op.layer
+        P, G = attn_partitions(cfg), cfg.gqa_group
+        qg, k, v = (bid[b] for b in op.reads)
+        q, sc, sm_m, sm_l, part = (bid[b] for b in op.scratch)
+        kc, vc = (bid[b] for b in op.state)
+        heads = [h for h0, h1 in op.groups for h in range(h0, h1)]
+        per = max(1, self.n // len(heads))
+        cut = lambda n, k: [(n * a // k, n * (a + 1) // k) for a in range(k)]  # noqa: E731
+        stages = [
+            ("prep", [(h, h, h + 1) for h in heads],
+             dict(opcode=Opcode.ATTN_PREP, buf0=qg, buf1=k, buf2=v, buf3=q, buf4=kc, buf5=vc)),
+            ("scores", [(h, h * P + a, h * P + b) for h in heads for a, b in cut(P, min(P, per))],
+             dict(opcode=Opcode.ATTN_SCORES, buf0=q, buf1=sc, buf2=sm_m, buf3=sm_l, buf4=kc)),
+            ("values", [(h, h * P + a, h * P + b) for h in heads for a, b in cut(P, min(P, per))],
+             dict(opcode=Opcode.ATTN_VALUES, buf0=sc, buf1=sm_m, buf2=sm_l, buf3=part, buf5=vc)),
+            ("out", [(0, h * G + a, h * G + b) for h in heads for a, b in cut(G, min(G, per))],
+             dict(opcode=Opcode.ATTN_REDUCE, buf0=qg, buf1=part, buf3=bid[op.writes[0]])),
+        ]
+        share = {"prep": 2, "scores": 4, "values": 4, "out": 0}  # op bytes: KV append, K read back, V read back
+        for stage, units, f in stages:
+            self.stage += 1
+            nb = op.bytes // share[stage] // len(units) if share[stage] else 0
+            for sm, (gi, r0, r1) in zip(self.spread(len(units)), units):
+                self.emit(sm, nb, self.counter(oi, stage, gi), layer=L, m=m, row_start=r0, row_end=r1, op=oi, **f)
 
     def add_gemv(self, oi: int, op: Op) -> None:
         bid, m = self.buffer_id, self.g.m

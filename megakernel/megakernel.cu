@@ -245,39 +245,56 @@ __device__ void mk_gdn(const MkParams& P, const int* w, qmk_u16* hn, MkSmemTail&
   }
 }
 
-// ATTN: KV heads [r0, r1): attention.cuh's four stages for that head's query group, all partitions on this block.
-__device__ void mk_attn(const MkParams& P, const int* w, MkSmemTail& sm) {
+// Attention: attention.cuh's four stages as four instructions (the discrete launches' blocks; scratch buffers from
+// the buffer table: roped q, scores [M, NQ, att_cap], stats max / sum [M, NQ, P], partials [M, NQ, P, HD]).
+// ATTN_PREP: KV heads [r0, r1): one warp task per (row, query head of the group | the KV head) → q, KV append.
+__device__ void mk_attn_prep(const MkParams& P, const int* w) {
   const int M = w[QMK_F_M], r0 = w[QMK_F_ROW_START], r1 = w[QMK_F_ROW_END], warp = threadIdx.x >> 5;
   const MkLayer L = reinterpret_cast<const MkLayer*>(P.layers)[w[QMK_F_LAYER]];
-  const mx_u16* qg = mk_buf<const mx_u16>(P, w[QMK_F_BUF0]);
-  mx_u16* kv = mk_buf<mx_u16>(P, w[QMK_F_BUF4]);  // the layer's base in the page pool (K and V)
-  mx_u16* q = reinterpret_cast<mx_u16*>(P.att_q);
-  mx_u16* scores = reinterpret_cast<mx_u16*>(P.att_scores);
-  float* sm_m = reinterpret_cast<float*>(P.att_m);
-  float* sm_l = reinterpret_cast<float*>(P.att_l);
-  float* part = reinterpret_cast<float*>(P.att_partial);
-  const int* pt = reinterpret_cast<const int*>(P.page_table);
-  const long long ps = P.page_stride;
-  const int pos = mk_pos(P), cap = P.att_cap;
-  for (int h = r0; h < r1; ++h) {
-    for (int t = warp; t < M * (MX_G + 1); t += MK_WARPS) {
-      const int i = t / (MX_G + 1), e = t - i * (MX_G + 1);
-      mx_attn_prep(qg, mk_buf<const mx_u16>(P, w[QMK_F_BUF1]), mk_buf<const mx_u16>(P, w[QMK_F_BUF2]),
-                   (const mx_u16*)L.t[0], (const mx_u16*)L.t[1], (const float*)P.inv_freq, pt, ps, kv, q, pos, i,
-                   e < MX_G ? h * MX_G + e : QMK_N_Q_HEADS + h);
-    }
-    __syncthreads();
-    for (int p = 0; p < QMK_ATTN_PARTS; ++p) mx_attn_scores(q, kv, pt, ps, scores, cap, sm_m, sm_l, pos, M, p, h);
-    __syncthreads();
-    for (int p = 0; p < QMK_ATTN_PARTS; ++p) {
-      mx_attn_values(kv, pt, ps, scores, cap, sm_m, sm_l, part, pos, M, p, h, sm.u.att);
-      __syncthreads();
-    }
-    if (threadIdx.x < MX_HD)
-      for (int t = 0; t < M * MX_G; ++t)
-        mx_attn_reduce(part, qg, mk_buf<mx_u16>(P, w[QMK_F_BUF3]), pos, t / MX_G, h * MX_G + t % MX_G);
+  const int per = MX_G + 1, pos = mk_pos(P);
+  for (int t = warp; t < M * (r1 - r0) * per; t += MK_WARPS) {
+    const int i = t / ((r1 - r0) * per), r = t - i * (r1 - r0) * per, h = r0 + r / per, e = r % per;
+    mx_attn_prep(mk_buf<const mx_u16>(P, w[QMK_F_BUF0]), mk_buf<const mx_u16>(P, w[QMK_F_BUF1]),
+                 mk_buf<const mx_u16>(P, w[QMK_F_BUF2]), (const mx_u16*)L.t[0], (const mx_u16*)L.t[1],
+                 (const float*)P.inv_freq, reinterpret_cast<const int*>(P.page_table), P.page_stride,
+                 mk_buf<mx_u16>(P, w[QMK_F_BUF4]), mk_buf<mx_u16>(P, w[QMK_F_BUF3]), pos, i,
+                 e < MX_G ? h * MX_G + e : QMK_N_Q_HEADS + h);
+  }
+}
+
+// ATTN_SCORES: split-KV units [r0, r1) (u = h·P + p, one head): scores + per-partition stats, partition order.
+__device__ void mk_attn_scores(const MkParams& P, const int* w) {
+  const int M = w[QMK_F_M], r0 = w[QMK_F_ROW_START], r1 = w[QMK_F_ROW_END], pos = mk_pos(P);
+  for (int u = r0; u < r1; ++u) {
+    mx_attn_scores(mk_buf<const mx_u16>(P, w[QMK_F_BUF0]), mk_buf<const mx_u16>(P, w[QMK_F_BUF4]),
+                   reinterpret_cast<const int*>(P.page_table), P.page_stride, mk_buf<mx_u16>(P, w[QMK_F_BUF1]),
+                   P.att_cap, mk_buf<float>(P, w[QMK_F_BUF2]), mk_buf<float>(P, w[QMK_F_BUF3]), pos, M,
+                   u % QMK_ATTN_PARTS, u / QMK_ATTN_PARTS);
     __syncthreads();
   }
+}
+
+// ATTN_VALUES: units [r0, r1): the head's stats merged over all partitions, p_j under them, partial o_p.
+__device__ void mk_attn_values(const MkParams& P, const int* w, MkSmemTail& sm) {
+  const int M = w[QMK_F_M], r0 = w[QMK_F_ROW_START], r1 = w[QMK_F_ROW_END], pos = mk_pos(P);
+  for (int u = r0; u < r1; ++u) {
+    mx_attn_values(mk_buf<const mx_u16>(P, w[QMK_F_BUF5]), reinterpret_cast<const int*>(P.page_table),
+                   P.page_stride, mk_buf<const mx_u16>(P, w[QMK_F_BUF0]), P.att_cap,
+                   mk_buf<const float>(P, w[QMK_F_BUF1]), mk_buf<const float>(P, w[QMK_F_BUF2]),
+                   mk_buf<float>(P, w[QMK_F_BUF3]), pos, M, u % QMK_ATTN_PARTS, u / QMK_ATTN_PARTS, sm.u.att);
+    __syncthreads();
+  }
+}
+
+// ATTN_REDUCE: query heads [r0, r1): partials in partition order, sigmoid gate → o (one thread per head dim,
+// as the discrete reduce block).
+__device__ void mk_attn_reduce(const MkParams& P, const int* w) {
+  const int M = w[QMK_F_M], r0 = w[QMK_F_ROW_START], r1 = w[QMK_F_ROW_END], pos = mk_pos(P);
+  const int n = r1 - r0;
+  if (threadIdx.x < MX_HD)
+    for (int t = 0; t < M * n; ++t)
+      mx_attn_reduce(mk_buf<const float>(P, w[QMK_F_BUF1]), mk_buf<const mx_u16>(P, w[QMK_F_BUF0]),
+                     mk_buf<mx_u16>(P, w[QMK_F_BUF3]), pos, t / n, r0 + t % n);
 }
 
 // Thread 0 spins until every wait of the instruction is met (relaxed polls, then one acquire each); the
@@ -363,7 +380,10 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_main(const MkPara
         case QMK_OP_GEMV: mk_gemv(P, w, xn, sm, ring); break;
         case QMK_OP_GEMV_REDUCE: mk_gemv_reduce(P, w); break;
         case QMK_OP_GDN_STEP: mk_gdn(P, w, xn, sm); break;
-        case QMK_OP_ATTN: mk_attn(P, w, sm); break;
+        case QMK_OP_ATTN_PREP: mk_attn_prep(P, w); break;
+        case QMK_OP_ATTN_SCORES: mk_attn_scores(P, w); break;
+        case QMK_OP_ATTN_VALUES: mk_attn_values(P, w, sm); break;
+        case QMK_OP_ATTN_REDUCE: mk_attn_reduce(P, w); break;
         case QMK_OP_ARGMAX: mk_argmax(P, w, sm); break;
         default: if (threadIdx.x == 0) mk_fail(P, MK_ERR_OPCODE, w[QMK_F_OPCODE]);
       }

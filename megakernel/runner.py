@@ -8,7 +8,8 @@ instructions of stages ≤ N: every wait points at an earlier stage, so the pref
 ``nop`` (every opcode replaced by NOP, waits and bumps kept: the dependency machinery's own floor), ``timing``
 (a ``QMK_MK_TIMING`` build writing globaltimer stamps per instruction; see ``megakernel/timings.py``),
 ``delay_op`` (debug: the instructions of one op sleep first, so a removed wait on it shows), ``gdn_split``
-(each GDN_STEP's value heads spread over that many SMs: :func:`split_gdn`).
+(each GDN_STEP's value heads spread over that many SMs: :func:`split_gdn`; default: the head group, one value head
+per instruction), ``defines`` (extra ``QMK_*`` build knobs, e.g. ``QMK_MK_RING``; results never depend on them).
 """
 from __future__ import annotations
 
@@ -33,9 +34,8 @@ SMEM_LIMIT = 232448  # dynamic shared memory per block on sm_90 (227 KB)
 RING_MAX = 6         # GEMV ring slots per warp at most (gemv.cuh supports ≤ 8)
 ERRORS = {1: "unknown opcode", 2: "unsupported GEMV prologue (MTP concat)", 3: "bad row range"}
 
-_P = [(n, "<u8") for n in ("prog", "lens", "counters", "bufs", "weights", "layers", "embed", "ctrl", "att_q",
-                           "att_scores", "att_m", "att_l", "att_partial", "page_table", "inv_freq", "host",
-                           "mirror", "timing")]
+_P = [(n, "<u8") for n in ("prog", "lens", "counters", "bufs", "weights", "layers", "embed", "ctrl", "page_table",
+                           "inv_freq", "host", "mirror", "timing")]
 PARAMS_DTYPE = np.dtype(_P + [("page_stride", "<i8"), ("max_len", "<i4"), ("att_cap", "<i4"), ("n_steps", "<i4"),
                               ("persistent", "<i4"), ("seed", "<u4"), ("step_base", "<u4"), ("delay_op", "<i4"),
                               ("delay_ns", "<i4")], align=True)
@@ -57,7 +57,7 @@ def compile_defines(cfg: ModelConfig) -> dict:
     return mk_defines(cfg)
 
 
-def mk_defines(cfg: ModelConfig, timing: bool = False) -> dict:
+def mk_defines(cfg: ModelConfig, timing: bool = False, extra: dict | None = None) -> dict:
     """Extra ``QMK_*`` defines of megakernel.cu: the numerics macros of gdn.cuh / attention.cuh (from their
     launchers, so both paths compile the same code), the MkParams layout offsets (checked by static_assert),
     and a hash of the megakernel sources (so an edited header never reuses a stale cached module)."""
@@ -71,6 +71,7 @@ def mk_defines(cfg: ModelConfig, timing: bool = False) -> dict:
     d["QMK_MK_RING"] = ring_slots(cfg)
     if timing:
         d["QMK_MK_TIMING"] = 1
+    d.update(extra or {})  # build knobs (e.g. QMK_MK_RING); results never depend on them
     return d
 
 
@@ -185,13 +186,13 @@ def stage_lengths(prog, stop_after: int | None) -> np.ndarray:
     return out
 
 
-def _load(cfg: ModelConfig, timing: bool):
+def _load(cfg: ModelConfig, timing: bool, extra: dict | None = None):
     """The cooperative megakernel module (discrete.build.load_module). The generated isa.h / control.h include
     <cuda/std/cstdint>; should this NVRTC not find it on its own, compile once more with CuPy's bundled CCCL
     include directories added (same source text, so the same code)."""
     from discrete.build import load_module
     try:
-        mod = load_module(cfg, [str(SOURCE)], mk_defines(cfg, timing), cooperative=True)
+        mod = load_module(cfg, [str(SOURCE)], mk_defines(cfg, timing, extra), cooperative=True)
         mod.compile()
         return mod
     except Exception as e:
@@ -201,7 +202,7 @@ def _load(cfg: ModelConfig, timing: bool):
         from cupy._core.core import _get_cccl_include_options
         from discrete.build import nvrtc_options, translation_unit
         print(f"megakernel: NVRTC did not find <cuda/std/...>; retrying with CuPy's CCCL includes", file=sys.stderr)
-        code = translation_unit(cfg, [str(SOURCE)], mk_defines(cfg, timing))
+        code = translation_unit(cfg, [str(SOURCE)], mk_defines(cfg, timing, extra))
         mod = cupy.RawModule(code=code, options=nvrtc_options() + tuple(_get_cccl_include_options()),
                              backend="nvrtc", enable_cooperative_groups=True)
         mod.compile()
@@ -218,7 +219,8 @@ class Megakernel:
 
     def __init__(self, decode_step, num_sms: int | None = None, *, m_rows: int | None = None,
                  layer_limit: int | None = None, stop_after: int | None = None, nop: bool = False,
-                 timing: bool = False, drop_wait=None, delay_op: int = -1, delay_ns: int = 0, gdn_split: int = 1):
+                 timing: bool = False, drop_wait=None, delay_op: int = -1, delay_ns: int = 0,
+                 gdn_split: int | None = None, defines: dict | None = None):
         import cupy as cp
         self.ds, self.cfg = decode_step, decode_step.cfg
         cfg = self.cfg
@@ -228,6 +230,8 @@ class Megakernel:
         if not 1 <= self.m <= MAX_ROWS:
             raise ValueError(f"Megakernel: m_rows={self.m}; expected 1..{MAX_ROWS}")
         self.program = build_program(cfg, self.m, self.num_sms, layer_limit)
+        if gdn_split is None:  # default: every value head its own GDN_STEP (measured faster on the 27B, run 7)
+            gdn_split = cfg.gdn_head_group
         if gdn_split > 1:
             self.program = split_gdn(self.program, gdn_split)
         words = program_words(self.program, nop, drop_wait)
@@ -248,7 +252,7 @@ class Megakernel:
         self.steps_done = 0
         self.persistent_stream = None
         # module, layout probe, occupancy
-        mod = _load(cfg, timing)
+        mod = _load(cfg, timing, defines)
         self.kernel = mod.get_function("mk_main")
         probe = cp.zeros(8, cp.int64)
         mod.get_function("mk_layout")((1,), (32,), (probe,))
@@ -293,6 +297,15 @@ class Megakernel:
                     self._keep.append(a)
                 if tuple(a.shape[1:]) != tuple(b.shape[1:]):
                     raise ValueError(f"Megakernel: DecodeStep buffer {b.name} is {a.shape}, program needs [*, {b.shape[1:]}]")
+                out[i] = a.data.ptr
+            elif b.kind == "scratch":  # attention stage intermediates: the discrete path's scratch, one for all layers
+                att = self._attn()
+                a = {"attq": att.q, "atts": att.scores, "attm": att.stats_m, "attl": att.stats_l,
+                     "attp": att.partial}[b.name.split(".")[0]]
+                per_row = int(np.prod([d or att.capacity for d in b.shape[1:]]))  # a 0 extent is the capacity
+                if a.shape[0] < self.m or a.size // a.shape[0] != per_row:
+                    raise ValueError(f"Megakernel: attention scratch for {b.name} is {a.shape}, program needs "
+                                     f"[{self.m}, {b.shape[1:]}]")
                 out[i] = a.data.ptr
             elif b.kind == "partial":
                 a = cp.full(b.shape, np.nan, cp.float32)
@@ -370,8 +383,6 @@ class Megakernel:
         p["bufs"], p["weights"], p["layers"] = self.d_bufs.data.ptr, self.d_weights.data.ptr, self.d_layers.data.ptr
         p["embed"], p["ctrl"] = ds.w.embed.data.ptr, ds.ctrl.data.ptr
         if att is not None:
-            p["att_q"], p["att_scores"] = att.q.data.ptr, att.scores.data.ptr
-            p["att_m"], p["att_l"], p["att_partial"] = att.stats_m.data.ptr, att.stats_l.data.ptr, att.partial.data.ptr
             p["inv_freq"], p["att_cap"] = att.inv_freq.data.ptr, att.capacity
         p["page_table"], p["page_stride"] = ds.sess.table.data.ptr, ds.kv.page_stride
         p["host"], p["mirror"] = self._host_ptr, self.mirror.data.ptr

@@ -69,33 +69,62 @@ def _scores(q: np.ndarray, K: np.ndarray) -> np.ndarray:
     return f32(bf16(f32(s) * np.float32(hd ** -0.5)))
 
 
+def attn_part_scores(q: np.ndarray, K: np.ndarray) -> np.ndarray:
+    """Stage 1 of ``attn_decode_group`` for one partition: q [group, hd], K [n, hd] bf16 (the partition's keys) →
+    scores [group, n] fp32 holding bf16 values. Each score depends on its own key only."""
+    return _scores(q, K)
+
+
+def attn_part_stats(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-partition softmax stats of scores s [group, n] (n ≥ 1): m = max s, l = fp32(Σ exp(s − m)) (float64
+    sum) → (m, l) fp32 [group]."""
+    m = s.max(-1)
+    l = np.exp((s - m[:, None]).astype(np.float32).astype(np.float64)).astype(np.float32).astype(np.float64).sum(-1)
+    return m, l.astype(np.float32)
+
+
+def attn_merge_stats(ms, ls) -> tuple[np.ndarray, np.ndarray]:
+    """Merge the stats of the non-empty partitions in partition order: M = max m_p, L = fp32(L + fp32(l_p ·
+    exp(m_p − M))) from 0. ms, ls: sequences of fp32 [group]."""
+    Mx = np.max(np.stack(ms), 0)
+    Ls = np.zeros_like(Mx)
+    for m, l in zip(ms, ls):
+        Ls = (Ls + (l * np.exp((m - Mx).astype(np.float64)).astype(np.float32)).astype(np.float32)).astype(np.float32)
+    return Mx, Ls
+
+
+def attn_part_values(s: np.ndarray, Mx: np.ndarray, Ls: np.ndarray, V: np.ndarray) -> np.ndarray:
+    """One partition's partial output under the merged stats: p_j = bf16(exp(s_j − M) / L), o_p = fp32(Σ p_j v_j)
+    (float64 sum). s [group, n] fp32, V [n, hd] bf16 → fp32 [group, hd]."""
+    e = np.exp((s - Mx[:, None]).astype(np.float32).astype(np.float64)).astype(np.float32)
+    p = f32(bf16((e / Ls[:, None]).astype(np.float32))).astype(np.float64)
+    return (p @ f32(V).astype(np.float64)).astype(np.float32)
+
+
+def attn_merge_values(parts) -> np.ndarray:
+    """o = fp32(o + o_p) over the non-empty partitions in partition order, from 0; → bf16 [group, hd]."""
+    o = np.zeros_like(parts[0])
+    for op in parts:
+        o = (o + op).astype(np.float32)
+    return bf16(o)
+
+
 def attn_decode_group(q: np.ndarray, K: np.ndarray, V: np.ndarray, parts: int) -> np.ndarray:
     """One KV head's attention for its query heads over L cached keys, split-KV two-pass (INTERFACES §2).
 
     q [group, hd], K/V [L, hd] bf16 (keys already roped, the current token's included) → o [group, hd] bf16.
     Pass 1 per partition p: m_p = max s, l_p = fp32(Σ exp(s − m_p)) (float64 sum). Merge in partition order:
     M = max m_p, L = fp32(L + fp32(l_p · exp(m_p − M))). Pass 2: p_j = bf16(exp(s_j − M) / L); per partition
-    o_p = fp32(Σ p_j v_j) (float64 sum), o = fp32(o + o_p) in partition order; bf16(o)."""
+    o_p = fp32(Σ p_j v_j) (float64 sum), o = fp32(o + o_p) in partition order; bf16(o). Composed of the stage
+    functions above, which the CPU VM's ATTN_SCORES / ATTN_VALUES / ATTN_REDUCE instructions call per partition."""
     for a, nm in ((q, "q"), (K, "K"), (V, "V")):
         need_dtype(a, BF16, f"attn_decode_group: {nm}")
     L = K.shape[0]
     need(L >= 1 and V.shape == K.shape and q.shape[-1] == K.shape[-1], lambda: f"attn_decode_group: q{q.shape} K{K.shape} V{V.shape}")
-    s = _scores(q, K)                                                     # [G, L] fp32 (bf16 values)
     rngs = [r for r in (attn_partition_range(L, parts, p) for p in range(parts)) if len(r)]
-    ms = [s[:, r.start:r.stop].max(-1) for r in rngs]
-    ls = [np.exp((s[:, r.start:r.stop] - m[:, None]).astype(np.float32).astype(np.float64)).astype(np.float32)
-          .astype(np.float64).sum(-1).astype(np.float32) for r, m in zip(rngs, ms)]
-    Mx = np.max(np.stack(ms), 0)
-    Ls = np.zeros_like(Mx)
-    for m, l in zip(ms, ls):
-        Ls = (Ls + (l * np.exp((m - Mx).astype(np.float64)).astype(np.float32)).astype(np.float32)).astype(np.float32)
-    e = np.exp((s - Mx[:, None]).astype(np.float32).astype(np.float64)).astype(np.float32)
-    p = f32(bf16((e / Ls[:, None]).astype(np.float32))).astype(np.float64)
-    Vf = f32(V).astype(np.float64)
-    o = np.zeros((q.shape[0], K.shape[1]), np.float32)
-    for r in rngs:
-        o = (o + (p[:, r.start:r.stop] @ Vf[r.start:r.stop]).astype(np.float32)).astype(np.float32)
-    return bf16(o)
+    ss = [attn_part_scores(q, K[r.start:r.stop]) for r in rngs]
+    Mx, Ls = attn_merge_stats(*zip(*(attn_part_stats(s) for s in ss)))
+    return attn_merge_values([attn_part_values(s, Mx, Ls, V[r.start:r.stop]) for s, r in zip(ss, rngs)])
 
 
 def attn_prefill(q: np.ndarray, K: np.ndarray, V: np.ndarray, q_pos) -> np.ndarray:

@@ -194,13 +194,16 @@ def argmax(logits: np.ndarray, n_valid: int | None = None) -> np.ndarray:
     return np.argmax(lf, axis=-1).astype(np.int64)  # numpy returns the first occurrence of the maximum
 
 
-from assembler.ref.attention import attn_decode_group, attn_gate, attn_prefill, attn_prep, rope_cos_sin  # noqa: E402
+from assembler.ref.attention import (attn_decode_group, attn_gate, attn_merge_stats, attn_merge_values,  # noqa: E402
+                                     attn_part_scores, attn_part_stats, attn_part_values, attn_prefill, attn_prep,
+                                     rope_cos_sin)
 from assembler.ref.gdn import (gdn_conv_prefill, gdn_conv_step, gdn_gates, gdn_prefill_chunked,  # noqa: E402
                                gdn_qk_norm, gdn_step_head)
 from assembler.ref.sampling import filter_logits, sample  # noqa: E402
 from assembler.ref.mtp import mtp_input, mtp_step  # noqa: E402
 
 __all__ = ["embed", "widen", "dequantize_bf16", "rmsnorm", "rmsnorm_gated", "gemv_partial", "gemv_reduce", "gemv", "residual_add", "argmax",
-           "rope_cos_sin", "attn_prep", "attn_decode_group", "attn_prefill", "attn_gate", "gdn_conv_step",
+           "rope_cos_sin", "attn_prep", "attn_decode_group", "attn_part_scores", "attn_part_stats", "attn_merge_stats",
+           "attn_part_values", "attn_merge_values", "attn_prefill", "attn_gate", "gdn_conv_step",
            "gdn_conv_prefill", "gdn_gates", "gdn_qk_norm", "gdn_step_head", "gdn_prefill_chunked", "filter_logits",
            "sample", "mtp_input", "mtp_step"]

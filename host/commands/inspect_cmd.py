@@ -20,7 +20,8 @@ from loader.config import PRESETS, preset
 @click.option("--verify/--no-verify", "check", default=False, help="also run the static verifier (slow for the 27B)")
 @click.option("--timings", is_flag=True, help="run the program on the GPU with per-instruction timing slots "
               "(QMK_MK_TIMING build) and print them as JSON")
-@click.option("--context", type=click.IntRange(min=0), default=0, show_default=True, help="with --timings: start position")
+@click.option("--context", type=click.IntRange(min=0), default=0, show_default=True,
+              help="with --timings: start position; otherwise the KV context whose attention bytes the stats add")
 def command(preset_name: str, sms: int, fmt: str, layer_limit: int | None, rows: int, kind: str, check: bool,
             timings: bool, context: int) -> None:
     """Print the instruction program of one step and its stats (bytes per SM, imbalance, waits, critical path)."""
@@ -40,7 +41,7 @@ def command(preset_name: str, sms: int, fmt: str, layer_limit: int | None, rows:
         raise click.BadParameter(f"{layer_limit} > num_hidden_layers ({cfg.num_hidden_layers})", param_hint="--layer-limit")
     g = mtp_graph(cfg, rows) if kind == "mtp" else verify_graph(cfg, rows, layer_limit)
     prog = schedule(g, sms)
-    st = prog.stats()
+    st = prog.stats(kv_context=context)
     if check:
         from assembler.verify import verify
         st["verified"] = verify(prog)

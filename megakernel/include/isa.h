@@ -13,8 +13,11 @@
 #define QMK_OP_GEMV 2
 #define QMK_OP_GEMV_REDUCE 3
 #define QMK_OP_GDN_STEP 4
-#define QMK_OP_ATTN 5
+#define QMK_OP_ATTN_PREP 5
 #define QMK_OP_ARGMAX 6
+#define QMK_OP_ATTN_SCORES 7
+#define QMK_OP_ATTN_VALUES 8
+#define QMK_OP_ATTN_REDUCE 9
 
 #define QMK_F_OPCODE 0
 #define QMK_F_LAYER 1
@@ -48,6 +51,7 @@
 #define QMK_BUF_PARTIAL 1
 #define QMK_BUF_IO 2
 #define QMK_BUF_STATE 3
+#define QMK_BUF_SCRATCH 4
 #define QMK_DT_BF16 0
 #define QMK_DT_F32 1
 #define QMK_DT_I32 2

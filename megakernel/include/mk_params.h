@@ -29,18 +29,13 @@ struct MkParams {
   uint64_t layers;      // MkLayer [n_layers]
   uint64_t embed;       // bf16 [V, H]
   uint64_t ctrl;        // QmkControl (device memory, shared with the discrete step)
-  uint64_t att_q;       // bf16 [MAX_ROWS, NQ, HD] roped queries (scratch)
-  uint64_t att_scores;  // bf16 [MAX_ROWS, NQ, att_cap]
-  uint64_t att_m;       // fp32 [MAX_ROWS, NQ, P]
-  uint64_t att_l;       // fp32 [MAX_ROWS, NQ, P]
-  uint64_t att_partial; // fp32 [MAX_ROWS, NQ, P, HD]
   uint64_t page_table;  // int32 [max_pages] of the session
   uint64_t inv_freq;    // fp32 [rotary_dim / 2]
   uint64_t host;        // mapped host uint32 [4]: go, quit, steps done, out token (persistent mode)
   uint64_t mirror;      // device uint32 [4]: unused, quit mirror, error code, error detail
   uint64_t timing;      // uint64 [num_sms, max_len, 3] globaltimer stamps (QMK_MK_TIMING builds), or 0
   int64_t page_stride;  // elements between pages of the KV pool
-  int32_t max_len, att_cap, n_steps, persistent;
+  int32_t max_len, att_cap, n_steps, persistent;  // att_cap: key capacity of the attention scores scratch
   uint32_t seed, step_base;  // counter seed; steps this program completed before the launch
   int32_t delay_op, delay_ns;  // debug: instructions of op `delay_op` sleep `delay_ns` before running
 };

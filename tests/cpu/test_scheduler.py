@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from assembler.graph import decode_graph, mtp_graph, verify_graph
-from assembler.isa import Opcode
-from assembler.numerics import split_k
+from assembler.isa import ATTN_OPCODES, Opcode
+from assembler.numerics import attn_partitions, split_k
 from assembler.scheduler import schedule
 from loader.config import preset
 
@@ -37,10 +37,27 @@ def test_partition_tiles_every_op_once(prog):
                     assert rr[0][0] == 0 and rr[-1][1] == op.segments[seg].n_out and all(
                         a[1] == b[0] for a, b in zip(rr, rr[1:])), (op.name, stage, seg, s)
                     assert all(r0 % 16 == 0 for r0, _ in rr)
+        elif op.kind == "attn":
+            _check_attn_cover(prog, op)
         else:
             sl = prog.slices(op.name)
             want = list(op.groups) if op.groups else [None]
             assert len(sl) == len(want), op.name
+
+
+def _check_attn_cover(prog, op):
+    """prep covers every KV head once, scores and values every split-KV unit once (never across a head),
+    reduce every query head once (never across a KV head); each stage's instructions sit on distinct SMs
+    while there are enough SMs."""
+    cfg = prog.graph.cfg
+    P, G, nkv = attn_partitions(cfg), cfg.gqa_group, cfg.num_key_value_heads
+    for stage, n, unit in (("main", nkv, 1), ("scores", nkv * P, P), ("values", nkv * P, P), ("reduce", nkv * G, G)):
+        sl = sorted(prog.slices(op.name, stage), key=lambda x: x[1])
+        assert sl[0][1] == 0 and sl[-1][2] == n and all(a[2] == b[1] for a, b in zip(sl, sl[1:])), (op.name, stage)
+        assert all(r0 // unit == (r1 - 1) // unit for _, r0, r1, _, _ in sl), (op.name, stage)
+        sms = [x[0] for x in sl]
+        if len(sms) <= prog.num_sms:
+            assert len(set(sms)) == len(sms), (op.name, stage, "two instructions of one stage on one SM")
 
 
 def test_splits_fixed_by_shape_and_match_reference():
@@ -102,7 +119,7 @@ def test_bytes_balanced_27b_full():
 
 def test_mtp_graph_schedules():
     p = schedule(mtp_graph(preset("tiny")), 5)
-    assert {i.opcode for l in p.sm_lists for i in l} >= {Opcode.EMBED, Opcode.GEMV, Opcode.ATTN, Opcode.ARGMAX}
+    assert {i.opcode for l in p.sm_lists for i in l} >= {Opcode.EMBED, Opcode.GEMV, Opcode.ARGMAX, *ATTN_OPCODES}
     fc = p.graph.op("mtp.fc")
     assert fc.segments[0].split == split_k(256, 512) and isinstance(fc.norm[0], tuple)
 
@@ -145,3 +162,39 @@ def test_cli_json_and_bad_input():
     for bad in (["--sms", "0"], ["--layer-limit", "99"], ["--preset", "nope"], ["--rows", "9"]):
         r = CliRunner().invoke(main, ["inspect", *bad])
         assert r.exit_code == 2, (bad, r.output)
+
+
+def test_attention_spreads_over_the_sms_and_waits_narrowly():
+    """27B at 132 SMs: one split-KV partition per ATTN_SCORES / ATTN_VALUES instruction (4 heads × 33 = 132, one
+    per SM), one query head per ATTN_REDUCE; each stage waits on exactly one counter, of its own head (values
+    on all of its head's scores: the merged stats), and the o projection waits on the reduce only."""
+    cfg = preset("qwen3.5-27b")
+    p = schedule(decode_graph(cfg, layer_limit=4), 132)
+    L = cfg.full_layers[0]
+    oi = p.graph.ops.index(p.graph.op(f"L{L}.attn"))
+    out = p.graph.ops.index(p.graph.op(f"L{L}.out"))
+    name = lambda c: p.counters[c].name  # noqa: E731
+    seen = {}
+    for s, lst in enumerate(p.sm_lists):
+        for ins in lst:
+            if ins.op == oi:
+                seen.setdefault(Opcode(ins.opcode), []).append((s, ins))
+            if ins.op == out and ins.opcode == Opcode.GEMV:
+                assert all(p.counters[c].op in (oi, out) or p.graph.ops[p.counters[c].op].name != f"L{L}.attn"
+                           for c, _, _ in ins.waits)
+                assert [name(c) for c, _, _ in ins.waits if p.counters[c].op == oi] in ([], [f"L{L}.attn.out0"])
+    assert {k: len(v) for k, v in seen.items()} == {Opcode.ATTN_PREP: 4, Opcode.ATTN_SCORES: 132,
+                                                    Opcode.ATTN_VALUES: 132, Opcode.ATTN_REDUCE: 24}
+    for op, lst in seen.items():
+        assert len({s for s, _ in lst}) == len(lst), op
+    P, G = attn_partitions(cfg), cfg.gqa_group
+    prep_sm = {ins.row_start: s for s, ins in seen[Opcode.ATTN_PREP]}
+    for s, ins in seen[Opcode.ATTN_SCORES]:  # no wait when its head's prep ran earlier on the same SM
+        h = ins.row_start // P
+        want = [] if prep_sm[h] == s else [f"L{L}.attn.prep{h}"]
+        assert [name(c) for c, _, _ in ins.waits] == want and ins.row_end - ins.row_start == 1
+    for s, ins in seen[Opcode.ATTN_VALUES]:
+        assert [name(c) for c, _, _ in ins.waits] == [f"L{L}.attn.scores{ins.row_start // P}"]
+        assert ins.row_end - ins.row_start == 1
+    for s, ins in seen[Opcode.ATTN_REDUCE]:
+        assert [name(c) for c, _, _ in ins.waits] == [f"L{L}.attn.values{ins.row_start // G}"]

@@ -81,3 +81,27 @@ def test_deadlock_caught(small):
                                                nwaits=ins.nwaits + 1)
     with pytest.raises(VerifyError, match="deadlock"):
         verify(small)
+
+
+@pytest.mark.parametrize("name,sms,m,limit", [("tiny", 7, 1, None), ("tiny", 132, 3, None), ("qwen3.5-27b", 132, 1, 8)])
+def test_attention_scratch_reuse_is_ordered(name, sms, m, limit):
+    """The device keeps ONE copy of the attention scratch (roped q, scores, stats, partials) for all layers,
+    while the graph names it per layer: every attention instruction must be known to start after every
+    attention instruction of the previous attention layer (and, across the step edge, of the last one)."""
+    from assembler.isa import ATTN_OPCODES
+    from assembler.verify import _clocks
+    p = schedule(verify_graph(preset(name), m, limit), sms)
+    clk = _clocks(p, 2)
+    vc, L = clk["vc"], clk["L"]
+    by_layer: dict = {}
+    for s, lst in enumerate(p.sm_lists):
+        for j, ins in enumerate(lst):
+            if ins.opcode in ATTN_OPCODES:
+                by_layer.setdefault(ins.layer, []).append((s, j))
+    layers = sorted(by_layer)
+    assert len(layers) >= 2
+    pairs = [(0, a, 0, b) for a, b in zip(layers, layers[1:])] + [(0, layers[-1], 1, layers[0])]
+    for ka, a, kb, b in pairs:
+        for s, j in by_layer[b]:
+            for ps, pj in by_layer[a]:
+                assert vc[(kb, s, j)][ps] > ka * L[ps] + pj, (a, b, (s, j), (ps, pj))
