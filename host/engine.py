@@ -98,7 +98,8 @@ class Engine:
              quiet: bool = False) -> "Engine":
         """Open a checkpoint directory or a preset (``tiny``; no argument = tiny) and start an executor.
 
-        ``executor``: ``megakernel`` | ``graph`` | ``cpu``; None = megakernel when a GPU is present, else cpu.
+        ``executor``: ``megakernel`` | ``graph`` | ``cpu``; None = graph when a GPU is present (the faster of the two
+        bit-identical GPU paths, measured), else cpu.
         ``capacity``: tokens per session slot. ``seed``: of the synthetic weights of a preset.
         Raises ModelLoadError (bad directory, failed validation), ExecutorUnavailable, InvalidArgument.
         """

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # compute-sanitizer memcheck and racecheck over the tiny-preset megakernel and discrete-step GPU tests, on the
 # lent H200 (the device tool sets $OUT). Each tool's summary goes to $OUT/sanitize_<tool>_<what>.txt.
-# Usage: bash scripts/sanitize.sh     (about 3-5 minutes; each run is time-boxed)
+# Usage: bash scripts/sanitize.sh [memcheck-mk|memcheck-step|racecheck-mk|synccheck-mk ...]   (default all, ≤ 8 min;
+# each run is time-boxed)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?run this on the device machine (OUT unset)}"
@@ -12,6 +13,17 @@ san() {  # tool, label, seconds, pytest args...
         python3 -m pytest -q -x -p no:cacheprovider "$@" > "$OUT/sanitize_${tool}_${label}.txt" 2>&1
     echo "$tool $label: exit $? — $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' "$OUT/sanitize_${tool}_${label}.txt" | tail -2 | tr '\n' ' ')"
 }
-san memcheck megakernel 130 tests/gpu/test_megakernel.py -k "test_m1_greedy_64_steps_bit_identical or test_m_rows_teacher_forced_bit_identical"
-san memcheck step 70 tests/gpu/test_step.py -k "test_rows_bit_identical_to_single"
-san racecheck megakernel 130 tests/gpu/test_megakernel.py -k "test_m1_greedy_64_steps_bit_identical"
+# the megakernel tests with 4 steps instead of 64 (QMK_MK_TEST_STEPS): same code paths, a time box that finishes
+export QMK_MK_TEST_STEPS=${QMK_MK_TEST_STEPS:-4}
+runs=("$@"); [[ ${#runs[@]} -eq 0 ]] && runs=(memcheck-mk memcheck-step racecheck-mk synccheck-mk)
+for r in "${runs[@]}"; do
+    case "$r" in
+    memcheck-mk) san memcheck megakernel 150 tests/gpu/test_megakernel.py \
+        -k "test_m1_greedy_64_steps_bit_identical or test_m_rows_teacher_forced_bit_identical[3]" ;;
+    memcheck-step) san memcheck step 70 tests/gpu/test_step.py -k "test_rows_bit_identical_to_single" ;;
+    racecheck-mk) san racecheck megakernel 150 tests/gpu/test_megakernel.py -k "test_m1_greedy_64_steps_bit_identical" ;;
+    synccheck-mk) san synccheck megakernel 100 tests/gpu/test_megakernel.py \
+        -k "test_m1_greedy_64_steps_bit_identical and program" ;;
+    *) echo "sanitize.sh: unknown run $r (memcheck-mk memcheck-step racecheck-mk synccheck-mk)"; exit 2 ;;
+    esac
+done

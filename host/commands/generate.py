@@ -22,7 +22,7 @@ def model_options(f):
     f = click.option("--capacity", type=int, default=4096, show_default=True,
                      help="Tokens per session (KV cache rows).")(f)
     f = click.option("--executor", type=click.Choice(KINDS), default=None,
-                     help="Default: megakernel when a GPU is present, else cpu.")(f)
+                     help="Default: graph when a GPU is present (faster today), else cpu.")(f)
     f = click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None,
                      help="Synthetic checkpoint of a preset (default tiny when --model is absent).")(f)
     f = click.option("--model", "model_dir", type=click.Path(file_okay=False), default=None,
