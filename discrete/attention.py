@@ -12,6 +12,7 @@ import numpy as np
 from assembler.numerics import MAX_ROWS, attn_partitions
 from discrete.build import load_module
 from discrete.kv_cache import PAGE, KVSession, PagedKVCache, check_array, need
+from discrete.launch import kernels
 from loader.config import ModelConfig
 
 SOURCES = ("attention.cu",)
@@ -42,9 +43,11 @@ def rope_inv_freq(cfg: ModelConfig, theta: float | None = None) -> np.ndarray:
 class AttnDecode:
     """Decode attention of one full-attention layer for M ≤ MAX_ROWS rows at positions pos..pos+M-1 (row i sees
     keys 0..pos+i). ``q_norm_w``, ``k_norm_w``: bf16 bits [head_dim]. ``capacity``: the largest context (keys)
-    any call will see; sizes the score scratch. ``theta`` overrides the RoPE base (negative controls only)."""
+    any call will see; sizes the score scratch. ``theta`` overrides the RoPE base (negative controls only).
+    ``pdl``: launch the four stages with programmatic stream serialization (``discrete.launch``; same bits)."""
 
-    def __init__(self, cfg: ModelConfig, q_norm_w, k_norm_w, capacity: int, theta: float | None = None):
+    def __init__(self, cfg: ModelConfig, q_norm_w, k_norm_w, capacity: int, theta: float | None = None,
+                 pdl: bool = False):
         import cupy as cp
         self.cfg = cfg
         hd, nq = cfg.head_dim, cfg.num_attention_heads
@@ -60,8 +63,8 @@ class AttnDecode:
         self.stats_l = cp.zeros((MAX_ROWS, nq, self.parts), np.float32)
         self.partial = cp.zeros((MAX_ROWS, nq, self.parts, hd), np.float32)
         mod = module(cfg)
-        self.k_prep, self.k_scores, self.k_values, self.k_reduce = (
-            mod.get_function(n) for n in ("qmk_attn_prep", "qmk_attn_scores", "qmk_attn_values", "qmk_attn_reduce"))
+        self.k_prep, self.k_scores, self.k_values, self.k_reduce = kernels(
+            mod, ("qmk_attn_prep", "qmk_attn_scores", "qmk_attn_values", "qmk_attn_reduce"), pdl)
 
     def poison(self) -> None:
         """Fill the scratch with NaN patterns (tests: every element read must have been written this call)."""

@@ -11,6 +11,7 @@ import numpy as np
 from assembler.numerics import MAX_ROWS
 from discrete.build import load_module
 from discrete.kv_cache import check_array, need
+from discrete.launch import kernels
 from loader.config import ModelConfig
 
 SOURCES = ("gdn.cu",)
@@ -79,9 +80,10 @@ class GdnDecode:
 
     Weights (bf16 bits, uint16): ``w_a``, ``w_b`` [n_v, hidden]; ``a_log``, ``dt_bias`` [n_v];
     ``conv_w`` [conv_dim, 4] (or [conv_dim, 1, 4]); ``norm_w`` [d_v]. Kept by reference; checked here once.
+    ``pdl``: launch with programmatic stream serialization (``discrete.launch``; same bits).
     """
 
-    def __init__(self, cfg: ModelConfig, w_a, w_b, a_log, dt_bias, conv_w, norm_w):
+    def __init__(self, cfg: ModelConfig, w_a, w_b, a_log, dt_bias, conv_w, norm_w, pdl: bool = False):
         self.cfg = cfg
         nv, h = cfg.linear_num_value_heads, cfg.hidden_size
         check_array(w_a, "gdn.in_proj_a", np.uint16, (nv, h))
@@ -92,7 +94,7 @@ class GdnDecode:
         check_array(conv_w, "gdn.conv1d.weight", np.uint16)
         check_array(norm_w, "gdn.norm.weight", np.uint16, (cfg.linear_value_head_dim,))
         self.w = (w_a, w_b, a_log, dt_bias, conv_w, norm_w)
-        self.kernel = module(cfg).get_function("qmk_gdn_decode")
+        self.kernel, = kernels(module(cfg), ("qmk_gdn_decode",), pdl)
 
     def __call__(self, qkv, z, hn, ring, state, out, pos_dev, M: int) -> None:
         """Launch. qkv [M, conv_dim], z [M, value_dim], hn [M, hidden] (normed hidden), out [M, value_dim]: bf16

@@ -13,6 +13,7 @@ import numpy as np
 
 from assembler.numerics import K_BLOCK, MAX_ROWS, ROW_TILE, split_k
 from discrete.build import load_module
+from discrete.launch import Kernel
 from discrete.partition import BF16_WARPS, FP8_WARPS, gemv_slices
 from loader.config import ModelConfig
 
@@ -68,12 +69,13 @@ class Gemv:
     [N, K] with ``scale=None`` (scale 1). N a multiple of 16, K of 128. ``epilogue``: "store" or "residual"
     (out [M, N]) or "swiglu" (fused [gate; up] weight of 2F rows, out [M, F]). ``split`` defaults to
     ``split_k(N, K)``. ``defines``: extra compile-time ``QMK_*`` knobs (e.g. QMK_GEMV_RING_MAX,
-    QMK_GEMV_STAGES; results do not depend on them). Raises ValueError naming the argument on any contract
-    violation.
+    QMK_GEMV_STAGES, QMK_PDL_PREFETCH_UNITS; results do not depend on them). ``pdl``: launch through
+    ``discrete.launch`` with programmatic stream serialization (may start while the previous kernel drains;
+    same bits). Raises ValueError naming the argument on any contract violation.
     """
 
     def __init__(self, cfg: ModelConfig, w, scale=None, *, epilogue: str = "store", split: int | None = None,
-                 name: str = "gemv", defines: dict | None = None):
+                 name: str = "gemv", defines: dict | None = None, pdl: bool = False):
         import cupy as cp
         _need(epilogue in EPILOGUES, f"{name}: epilogue {epilogue!r} not one of {sorted(EPILOGUES)}")
         _need(getattr(w, "ndim", 0) == 2, f"{name}.weight: expected a 2-D array [N, K]")
@@ -103,9 +105,11 @@ class Gemv:
         self.ring, self.smem = ring_depth(int((slices[:, 1] - slices[:, 0]).max()), warps, int(optin), ring_max)
         self.counters = cp.zeros(self.n_out // ROW_TILE, cp.uint32)  # fused reduce: arrivals per output tile
         mod = module(cfg, defines)
-        self._partial = mod.get_function("gemv_fp8_partial" if self.fp8 else "gemv_bf16_partial")
-        self._reduce = mod.get_function("gemv_reduce")
-        _allow_smem(self._partial, self.smem)
+        raw = mod.get_function("gemv_fp8_partial" if self.fp8 else "gemv_bf16_partial")
+        _allow_smem(raw, self.smem)
+        self.pdl = bool(pdl)
+        self._partial = Kernel(raw, self.pdl, f"{name}.partial")
+        self._reduce = Kernel(mod.get_function("gemv_reduce"), self.pdl, f"{name}.reduce")
 
     @property
     def weight_bytes(self) -> int:

@@ -10,6 +10,7 @@ import numpy as np
 
 from assembler.numerics import MAX_ROWS
 from discrete.build import load_module
+from discrete.launch import kernels
 from discrete.gemv import NULL, _need, check_array
 from loader.config import ModelConfig
 
@@ -36,18 +37,18 @@ def decode_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 class LmHead:
     """lm_head ready to launch. ``w`` uint16 [V, H] (bf16 bits), V = cfg.vocab_size (multiple of 128),
-    H = cfg.hidden_size. Raises ValueError naming the argument on a contract violation."""
+    H = cfg.hidden_size. ``pdl``: launch with programmatic stream serialization (``discrete.launch``; same bits).
+    Raises ValueError naming the argument on a contract violation."""
 
-    def __init__(self, cfg: ModelConfig, w, name: str = "lm_head.weight", defines: dict | None = None):
+    def __init__(self, cfg: ModelConfig, w, name: str = "lm_head.weight", defines: dict | None = None,
+                 pdl: bool = False):
         check_array(w, f"{name} (bf16 bits)", np.uint16, (cfg.vocab_size, cfg.hidden_size))
         _need(cfg.vocab_size % ROWS_PER_BLOCK == 0, f"{name}: vocab {cfg.vocab_size} not a multiple of {ROWS_PER_BLOCK}")
         self.cfg, self.w, self.V, self.K = cfg, w, cfg.vocab_size, cfg.hidden_size
         self.nblk = self.V // ROWS_PER_BLOCK
         mod = load_module(cfg, SOURCES, {"QMK_TOPK": TOPK, **DEFAULT_DEFINES, **(defines or {})})
-        self._argmax = mod.get_function("lm_head_argmax")
-        self._topk = mod.get_function("lm_head_topk")
-        self._merge_argmax = mod.get_function("lm_head_merge_argmax")
-        self._merge_topk = mod.get_function("lm_head_merge_topk")
+        self._argmax, self._topk, self._merge_argmax, self._merge_topk = kernels(
+            mod, ("lm_head_argmax", "lm_head_topk", "lm_head_merge_argmax", "lm_head_merge_topk"), pdl)
 
     @property
     def weight_bytes(self) -> int:
@@ -85,13 +86,14 @@ class LmHead:
 
 
 class Embed:
-    """Embedding gather (``kernels/embed.cu``): table uint16 [V, H] (bf16 bits), ids int32 [M] → out [M, H]."""
+    """Embedding gather (``kernels/embed.cu``): table uint16 [V, H] (bf16 bits), ids int32 [M] → out [M, H].
+    ``pdl`` as for :class:`LmHead`."""
 
-    def __init__(self, cfg: ModelConfig, table, name: str = "model.embed_tokens.weight"):
+    def __init__(self, cfg: ModelConfig, table, name: str = "model.embed_tokens.weight", pdl: bool = False):
         check_array(table, f"{name} (bf16 bits)", np.uint16, (cfg.vocab_size, cfg.hidden_size))
         _need(cfg.hidden_size % 8 == 0, f"{name}: hidden size {cfg.hidden_size} must be a multiple of 8")
         self.table, self.V, self.H = table, cfg.vocab_size, cfg.hidden_size
-        self._fn = load_module(cfg, ("embed.cu",)).get_function("embed_gather")
+        self._fn, = kernels(load_module(cfg, ("embed.cu",)), ("embed_gather",), pdl)
 
     def __call__(self, ids, out):
         check_array(ids, "embed: ids", np.int32, align=4)

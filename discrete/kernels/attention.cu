@@ -5,12 +5,14 @@
 //   qmk_attn_values  grid (P, NKV), block MX_ATT_THREADS
 //   qmk_attn_reduce  grid (M, NQ), block HD
 #include "attention.cuh"
+#include "pdl.cuh"
 
 extern "C" __global__ void __launch_bounds__(32)
 qmk_attn_prep(const mx_u16* __restrict__ qg, const mx_u16* __restrict__ k, const mx_u16* __restrict__ v,
               const mx_u16* __restrict__ q_norm_w, const mx_u16* __restrict__ k_norm_w,
               const float* __restrict__ inv_freq, const int* __restrict__ page_table, long long page_stride,
               mx_u16* __restrict__ kv, mx_u16* __restrict__ q_out, const int* __restrict__ pos_ptr) {
+    qmk_pdl_enter();  // PDL: successor may be scheduled; wait for the predecessor (pdl.cuh)
     mx_attn_prep(qg, k, v, q_norm_w, k_norm_w, inv_freq, page_table, page_stride, kv, q_out, *pos_ptr,
                  blockIdx.x, blockIdx.y);
 }
@@ -20,6 +22,7 @@ extern "C" __global__ void __launch_bounds__(MX_ATT_THREADS, 1)
 qmk_attn_scores(const mx_u16* __restrict__ q, const mx_u16* __restrict__ kv, const int* __restrict__ page_table,
                 long long page_stride, mx_u16* __restrict__ scores, int cap, float* __restrict__ stats_m,
                 float* __restrict__ stats_l, const int* __restrict__ pos_ptr, int M) {
+    qmk_pdl_enter();  // PDL: successor may be scheduled; wait for the predecessor (pdl.cuh)
     mx_attn_scores(q, kv, page_table, page_stride, scores, cap, stats_m, stats_l, *pos_ptr, M, blockIdx.x,
                    blockIdx.y);
 }
@@ -30,6 +33,7 @@ qmk_attn_values(const mx_u16* __restrict__ kv, const int* __restrict__ page_tabl
                 const mx_u16* __restrict__ scores, int cap, const float* __restrict__ stats_m,
                 const float* __restrict__ stats_l, float* __restrict__ partial, const int* __restrict__ pos_ptr,
                 int M) {
+    qmk_pdl_enter();  // PDL: successor may be scheduled; wait for the predecessor (pdl.cuh)
     __shared__ MxAttnValSmem sm;
     mx_attn_values(kv, page_table, page_stride, scores, cap, stats_m, stats_l, partial, *pos_ptr, M, blockIdx.x,
                    blockIdx.y, sm);
@@ -38,5 +42,6 @@ qmk_attn_values(const mx_u16* __restrict__ kv, const int* __restrict__ page_tabl
 extern "C" __global__ void __launch_bounds__(MX_HD)
 qmk_attn_reduce(const float* __restrict__ partial, const mx_u16* __restrict__ qg, mx_u16* __restrict__ out,
                 const int* __restrict__ pos_ptr) {
+    qmk_pdl_enter();  // PDL: successor may be scheduled; wait for the predecessor (pdl.cuh)
     mx_attn_reduce(partial, qg, out, *pos_ptr, blockIdx.x, blockIdx.y);
 }

@@ -9,6 +9,7 @@
 #include "gemv.cuh"
 #include "norm.cuh"
 #include "finish.cuh"
+#include "pdl.cuh"
 
 #define QMK_NORM_THREADS 256
 
@@ -17,6 +18,7 @@
 extern "C" __global__ void __launch_bounds__(QMK_NORM_THREADS)
 qmk_rmsnorm_rows(const mx_u16* __restrict__ x, const mx_u16* __restrict__ w, mx_u16* __restrict__ y, int M, int n) {
     __shared__ double red[QMK_NORM_THREADS / 32];
+    qmk_pdl_enter();  // PDL: successor may be scheduled; wait for the predecessor (pdl.cuh)
     mx_rmsnorm_rows<QMK_NORM_THREADS>(x, n, w, y, n, M, n, red);
 }
 
@@ -25,6 +27,7 @@ qmk_rmsnorm_rows(const mx_u16* __restrict__ x, const mx_u16* __restrict__ w, mx_
 extern "C" __global__ void __launch_bounds__(256)
 qmk_reduce_segments(const float* __restrict__ P, int S, int M, int N, int c1, int c2, qmk_u16* out0, qmk_u16* out1,
                     qmk_u16* out2) {
+    qmk_pdl_enter();  // PDL: successor may be scheduled; wait for the predecessor (pdl.cuh)
     const int i = blockIdx.x * 256 + threadIdx.x;
     if (i >= M * N) return;
     const int m = i / N, n = i - m * N;
@@ -39,5 +42,6 @@ qmk_reduce_segments(const float* __restrict__ P, int S, int M, int N, int c1, in
 // before the next replay); stop = 1 when out_token is an eos id or pos reaches max_pos (never cleared here).
 extern "C" __global__ void __launch_bounds__(32)
 qmk_finish(unsigned int* __restrict__ ctrl, const int* __restrict__ ids, int M) {
+    qmk_pdl_enter();  // PDL: successor may be scheduled; wait for the predecessor (pdl.cuh)
     if (threadIdx.x == 0) qmk_finish_step(reinterpret_cast<QmkControl*>(ctrl), ids, M);
 }

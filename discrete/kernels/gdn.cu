@@ -1,6 +1,7 @@
 // gdn.cu — discrete-path wrapper: one block per GDN value head (gdn.cuh). Launch: grid QMK_GDN_NV,
 // block MX_GDN_THREADS, static shared memory MxGdnSmem. pos is read from device memory (graph-friendly).
 #include "gdn.cuh"
+#include "pdl.cuh"
 
 // qmk: hot
 extern "C" __global__ void __launch_bounds__(MX_GDN_THREADS, 1)
@@ -10,6 +11,7 @@ qmk_gdn_decode(const mx_u16* __restrict__ qkv, const mx_u16* __restrict__ z, con
                const mx_u16* __restrict__ norm_w, mx_u16* __restrict__ ring, float* __restrict__ state,
                mx_u16* __restrict__ out, const int* __restrict__ pos_ptr, int M) {
     __shared__ MxGdnSmem sm;
+    qmk_pdl_enter();  // PDL: successor may be scheduled; wait for the predecessor (pdl.cuh)
     mx_gdn_step_head(qkv, z, hn, w_a, w_b, a_log, dt_bias, conv_w, norm_w, ring, state, out, *pos_ptr, M,
                      blockIdx.x, sm);
 }
