@@ -6,10 +6,18 @@ state buffers → channels (conv), value heads (recurrent) or KV heads (caches);
 columns [0, NQ·HD), scores / stats / partials → split-KV units h·P + p (whatever the memory layout). The scheduler derives waits
 from these regions and the verifier checks them; both read the same decoding so the only thing the verifier
 trusts is what an instruction's words say it touches.
+
+Fused split-K reduce (isa.py FUSE_REDUCE): a tile's outputs are written by whichever of its S split
+instructions arrives last, so EVERY split instruction of a fused segment lists the output rows (and the
+residual rows the epilogue reads) as its own: a joint write. A consumer is then ordered after all S of them
+(what the kernel guarantees: each bumps only after its own arrival, and the last arrival reduced the tile);
+the verifier allows the S joint writers of a row, one per split, and nothing else. The reduce's reads of the
+other splits' partials are ordered by the tile's arrival counter inside the op, not by a wait:
+:func:`reduce_touches` lists them for the cross-step check only.
 """
 from __future__ import annotations
 
-from assembler.isa import Instruction, Opcode, sub_parts
+from assembler.isa import Instruction, Opcode, fused_reduce, sub_parts
 from assembler.numerics import attn_partitions
 
 
@@ -49,8 +57,8 @@ def regions(prog, ins: Instruction) -> tuple[list, list, list]:
                 writes += [(ins.buf3, ins.split * R + a, ins.split * R + b) for a, b in prow]
         else:
             reads += [(ins.buf3, s * R + a, s * R + b) for s in range(ins.nsplit) for a, b in prow]
-        if ins.opcode == Opcode.GEMV_REDUCE or ins.nsplit == 1:
-            writes.append((ins.buf1, r0, r1))
+        if ins.opcode == Opcode.GEMV_REDUCE or ins.nsplit == 1 or fused_reduce(ins):
+            writes.append((ins.buf1, r0, r1))  # fused: a joint write of the segment's S split instructions
             if epi == "residual":
                 reads.append((ins.buf2, r0, r1))
         return reads, writes, []
@@ -81,3 +89,15 @@ def regions(prog, ins: Instruction) -> tuple[list, list, list]:
         reads = [(ins.buf0, r0 * 2 * hd, r1 * 2 * hd), (ins.buf1, h0 * P, h1 * P)]
         return reads, [(ins.buf3, r0 * hd, r1 * hd)], []
     raise ValueError(f"regions: opcode {ins.opcode} has no regions")
+
+
+def reduce_touches(prog, ins: Instruction) -> list:
+    """Partial regions of every split for the rows of a fused-reduce GEMV (its tiles' last arrival reads them
+    back, whichever instruction that is); [] for any other instruction."""
+    if not fused_reduce(ins):
+        return []
+    seg = prog.graph.ops[ins.op].segments[prog.weight_segment[ins.w0][1]]
+    swiglu = sub_parts(ins.sub)[1] == "swiglu"
+    R = 2 * seg.n_out if swiglu else seg.n_out
+    prow = [(ins.row_start, ins.row_end)] + ([(seg.n_out + ins.row_start, seg.n_out + ins.row_end)] if swiglu else [])
+    return [(ins.buf3, s * R + a, s * R + b) for s in range(ins.nsplit) for a, b in prow]

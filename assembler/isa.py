@@ -15,6 +15,12 @@ Opcodes (what each fuses; its waits come from the scheduler, its bump is its own
                [norm(buf0; w1), norm(buf4; w1+1)]; nsplit == 1: epilogue store / residual (buf2) / swiglu
                (gate row r, up row F + r of the fused w0) into buf1; nsplit > 1: fp32 partials into buf3.
                buf5 ≥ 0 (first slice of the head only): also store the normalised input there.
+               sub & FUSE_REDUCE (nsplit > 1 only): after storing a tile's partial the warp counts itself in on
+               the tile's arrival counter; the last of the tile's S arrivals (swiglu: 2S, gate and up tiles)
+               reduces the tile in fixed split order + epilogue into buf1 (gemv.cuh qmk_gemv_finish_tile) and
+               resets the counter. The arrival counters are uint32 [rows(w0) / 16] right after the partials
+               [S, M, rows(w0)] fp32 in buf3's allocation (runner-owned, zero once at allocation). No
+               GEMV_REDUCE exists for such a segment; its consumers wait on the GEMV instructions' counter.
   GEMV_REDUCE  fixed-order reduce of the partials buf3 for rows [row_start, row_end) + epilogue into buf1.
   GDN_STEP     key heads [row_start, row_end) of layer ``layer``: in_proj_a/b (RMSNorm prologue of buf2), conv
                step, l2norm, gates, delta rule on the recurrent state, gated norm → buf3 (= o).
@@ -72,19 +78,27 @@ class Sub(enum.IntFlag):
     EPI_STORE = 0 << 4
     EPI_RESIDUAL = 1 << 4
     EPI_SWIGLU = 2 << 4
+    FUSE_REDUCE = 1 << 8  # GEMV with nsplit > 1: the last arriving warp of a tile reduces it (see GEMV above)
 
 
+FUSE_REDUCE = int(Sub.FUSE_REDUCE)
 PROLOGUES = {"none": 0, "rmsnorm": 1, "mtp_concat": 2}
 EPILOGUES = {"store": 0, "residual": 1, "swiglu": 2}
 
 
-def sub_word(prologue: str, epilogue: str) -> int:
-    """Pack prologue/epilogue names into the ``sub`` word. Raises KeyError naming an unknown form."""
-    return PROLOGUES[prologue] | (EPILOGUES[epilogue] << 4)
+def sub_word(prologue: str, epilogue: str, fuse_reduce: bool = False) -> int:
+    """Pack prologue/epilogue names (and the FUSE_REDUCE flag) into the ``sub`` word. Raises KeyError naming an
+    unknown form."""
+    return PROLOGUES[prologue] | (EPILOGUES[epilogue] << 4) | (FUSE_REDUCE if fuse_reduce else 0)
+
+
+def fused_reduce(ins: "Instruction") -> bool:
+    """True for a split-K GEMV that reduces its tiles itself (last arrival; no GEMV_REDUCE for its segment)."""
+    return ins.opcode == Opcode.GEMV and ins.nsplit > 1 and bool(ins.sub & FUSE_REDUCE)
 
 
 def sub_parts(sub: int) -> tuple[str, str]:
-    """Inverse of :func:`sub_word`."""
+    """Inverse of :func:`sub_word` (flag bits above the epilogue, e.g. FUSE_REDUCE, are ignored)."""
     pro = {v: k for k, v in PROLOGUES.items()}[sub & 15]
     epi = {v: k for k, v in EPILOGUES.items()}[(sub >> 4) & 15]
     return pro, epi
@@ -184,7 +198,8 @@ def c_header() -> str:
     L += [f"#define QMK_OP_{op.name} {int(op)}" for op in Opcode] + [""]
     L += [f"#define QMK_F_{n.upper()} {i}" for i, n in enumerate(FIELDS)] + [""]
     L += [f"#define QMK_PRO_{k.upper()} {v}" for k, v in PROLOGUES.items()]
-    L += [f"#define QMK_EPI_{k.upper()} {v}" for k, v in EPILOGUES.items()] + [""]
+    L += [f"#define QMK_EPI_{k.upper()} {v}" for k, v in EPILOGUES.items()]
+    L += [f"#define QMK_SUB_FUSE_REDUCE {FUSE_REDUCE}"] + [""]
     L += [f"#define QMK_BUF_{k.upper()} {v}" for k, v in BUFFER_KINDS.items()]
     L += [f"#define QMK_DT_{k.upper()} {v}" for k, v in BUFFER_DTYPES.items()] + [""]
     L += _struct("QmkBuffer", BUFFER_DTYPE) + [""] + _struct("QmkCounter", COUNTER_DTYPE)

@@ -16,7 +16,7 @@ import numpy as np
 from assembler.graph import Buffer, Graph
 from assembler.numerics import attn_partitions
 from assembler.isa import (ATTN_OPCODES, BUFFER_DTYPE, BUFFER_DTYPES, BUFFER_KINDS, COUNTER_DTYPE, FIELDS, WORDS,
-                           Instruction, Opcode, sub_parts)
+                           Instruction, Opcode, fused_reduce, sub_parts)
 
 STAGE_OPCODES = {"main": {Opcode.EMBED, Opcode.GEMV, Opcode.GDN_STEP, Opcode.ATTN_PREP, Opcode.ARGMAX},
                  "reduce": {Opcode.GEMV_REDUCE, Opcode.ATTN_REDUCE}, "scores": {Opcode.ATTN_SCORES},
@@ -154,8 +154,9 @@ class Program:
         if ins.opcode in (Opcode.GEMV, Opcode.GEMV_REDUCE):
             pro, epi = sub_parts(ins.sub)
             partial = ins.opcode == Opcode.GEMV and ins.nsplit > 1
+            out = b(ins.buf3 if partial else ins.buf1) + (f"+reduce>{b(ins.buf1)}" if fused_reduce(ins) else "")
             body = (f"{op.name} seg{self.weight_segment[ins.w0][1]} rows[{ins.row_start}:{ins.row_end}] "
-                    f"split {ins.split}/{ins.nsplit} {pro}/{epi} in={b(ins.buf0)} out={b(ins.buf3 if partial else ins.buf1)}")
+                    f"split {ins.split}/{ins.nsplit} {pro}/{epi} in={b(ins.buf0)} out={out}")
         elif ins.opcode in (Opcode.ATTN_SCORES, Opcode.ATTN_VALUES):
             body = f"{op.name} units[{ins.row_start}:{ins.row_end}]"
         elif ins.opcode in (Opcode.GDN_STEP,) + ATTN_OPCODES:

@@ -8,17 +8,23 @@ counter did not pass ``step × expected`` (no overshoot). SMs run in a determini
 seeded random interleaving (random per-SM speeds; the earliest ready SM runs next). The model state is the reference's
 ``ModelState``, so a VM step can be compared with ``ReferenceModel.decode`` / ``mtp_draft`` bit for bit.
 The VM holds no op math of its own: it slices buffers and calls the reference ops.
+
+Fused split-K reduce (isa.py FUSE_REDUCE): after a fused GEMV stores its partials, the VM counts it in on each
+16-row tile of its rows (per partial buffer, like the kernel's arrival counters) and the instruction that
+brings a tile to S arrivals reduces it right away (the same ``gemv_reduce`` as GEMV_REDUCE) and resets the
+count; so the reduce happens inside whichever split instruction the interleaving runs last.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from functools import lru_cache
 
 import numpy as np
 
 from assembler.graph import ab_split, layer_prefix
-from assembler.isa import Instruction, Opcode, sub_parts
-from assembler.numerics import attn_partition_range, attn_partitions
+from assembler.isa import Instruction, Opcode, fused_reduce, sub_parts
+from assembler.numerics import ROW_TILE, attn_partition_range, attn_partitions
 from assembler.program import Program
 from assembler.ref import ops
 from assembler.ref.numerics import BF16
@@ -51,6 +57,7 @@ class VM:
         self.expected = np.array([c.expected for c in program.counters], np.int64)
         self.step_no = 0
         self.parts = attn_partitions(self.cfg)
+        self.arrive: dict[int, np.ndarray] = {}  # partial buffer id → arrivals per output tile (fused reduce)
 
     # ------------------------------------------------------------------ weights (cached, stored dtypes)
     def _get(self, name: str) -> np.ndarray:
@@ -96,6 +103,9 @@ class VM:
             self.buf["hidden"][:] = hidden
         self.pos0 = state.mtp_pos if self.g.kind == "mtp" else state.pos
         self._interleave(order, seed)
+        for b, cnt in self.arrive.items():
+            if cnt.any():
+                raise VMError(f"step {self.step_no}: {self.p.buffers[b].name} tiles left with arrivals {cnt[cnt > 0]}")
         if self.g.kind == "mtp":
             state.mtp_pos += self.g.m
         else:
@@ -201,8 +211,25 @@ class VM:
             P[ins.split, :, r0:r1] = p
             if up is not None:
                 P[ins.split, :, F + r0:F + r1] = up
+            if fused_reduce(ins):
+                self._arrive(ins, P, F if up is not None else P.shape[2])
             return
         self._epilogue(ins, p[None], None if up is None else up[None])
+
+    def _arrive(self, ins, P: np.ndarray, n_out: int) -> None:
+        """Count a fused GEMV in on the tiles of its rows; reduce (fixed split order + epilogue) every tile whose
+        S partials are now all present, and reset its count (as qmk_gemv_finish_tile)."""
+        cnt = self.arrive.setdefault(ins.buf3, np.zeros(-(-n_out // ROW_TILE), np.int64))
+        _, epi = sub_parts(ins.sub)
+        for t in range(ins.row_start // ROW_TILE, -(-ins.row_end // ROW_TILE)):
+            cnt[t] += 1
+            if cnt[t] > ins.nsplit:
+                raise VMError(f"{self.g.ops[ins.op].name}: tile {t} got {cnt[t]} arrivals for {ins.nsplit} splits")
+            if cnt[t] == ins.nsplit:
+                cnt[t] = 0
+                a, b = t * ROW_TILE, min((t + 1) * ROW_TILE, n_out)
+                self._epilogue(dataclasses.replace(ins, row_start=a, row_end=b), P[:, :, a:b],
+                               P[:, :, n_out + a:n_out + b] if epi == "swiglu" else None)
 
     def _op_gemv_reduce(self, ins) -> None:
         _, epi = sub_parts(ins.sub)

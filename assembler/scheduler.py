@@ -9,6 +9,12 @@ least-loaded SM. Attention is four stages (prep per KV head; scores and values p
 of one KV head; reduce per run of query heads), each stage's instructions on distinct SMs; the partition count
 P = ``numerics.attn_partitions`` is fixed by the shape, so the cut changes only who computes which partition.
 
+Split-K reduce: with ``fuse_reduce`` (default) a split-K segment's GEMV instructions reduce their own tiles (the
+last arriving warp of a tile's S splits, isa.py FUSE_REDUCE) and bump the op's ``out`` counter: no GEMV_REDUCE
+stage, consumers wait on the GEMV instructions (all of them bumped ⇒ every tile's last arrival, and with it
+the tile's reduce, happened). ``fuse_reduce=False``: the old program, partials bump ``part`` counters and
+GEMV_REDUCE instructions wait on all of them.
+
 Order: stages in graph order (GEMV partials, then their reduce), so every wait points at an earlier stage:
 no SM ever waits on work later in its own list, and one complete simulation proves every interleaving
 deadlock-free (``assembler/verify.py``).
@@ -58,8 +64,8 @@ def _water_fill(load: np.ndarray, costs: np.ndarray) -> np.ndarray:
 
 
 class _Builder:
-    def __init__(self, graph: Graph, num_sms: int):
-        self.g, self.n = graph, num_sms
+    def __init__(self, graph: Graph, num_sms: int, fuse_reduce: bool = True):
+        self.g, self.n, self.fuse = graph, num_sms, fuse_reduce
         self.load = np.zeros(num_sms)
         self.lists: list[list[dict]] = [[] for _ in range(num_sms)]
         self.counters: list[Counter] = []
@@ -171,7 +177,7 @@ class _Builder:
                 raise ValueError(f"scheduler: {op.name}: the two MTP norm weights must be adjacent in the weight table")
         else:
             pro, src, src2, w1 = "rmsnorm", bid[op.norm[0]], -1, self.weight((op.norm[1],))
-        for reduce in (False, True):
+        for reduce in ((False,) if self.fuse else (False, True)):
             units = _gemv_units(op, reduce)
             if not len(units):
                 continue
@@ -186,9 +192,10 @@ class _Builder:
                 gi, si, s = (int(v) for v in units[a, :3])
                 sm, r0, r1, nb = int(sms[a]), int(units[a, 3]), int(units[b - 1, 4]), int(round(units[a:b, 5].sum()))
                 seg = op.segments[si]
-                final = reduce or seg.split == 1
+                fused = self.fuse and seg.split > 1
+                final = reduce or seg.split == 1 or fused
                 f = dict(opcode=Opcode.GEMV_REDUCE if reduce else Opcode.GEMV, layer=op.layer,
-                         sub=sub_word(pro if not reduce else "none", seg.epilogue), m=m, row_start=r0, row_end=r1,
+                         sub=sub_word(pro if not reduce else "none", seg.epilogue, fused), m=m, row_start=r0, row_end=r1,
                          split=s, nsplit=seg.split, buf0=src if not reduce else -1, buf1=bid[seg.out],
                          buf2=bid[seg.residual] if seg.residual else -1,
                          buf3=bid[seg.partials] if seg.partials else -1, buf4=src2 if not reduce else -1,
@@ -197,12 +204,13 @@ class _Builder:
                 self.emit(sm, nb, self.counter(oi, "out" if final else "part", gi), **f)
 
 
-def schedule(graph: Graph, num_sms: int) -> Program:
-    """Assemble ``graph`` for ``num_sms`` SMs (any count ≥ 1). Raises ValueError for num_sms < 1 or an
-    instruction that would need more than MAX_WAITS waits."""
+def schedule(graph: Graph, num_sms: int, fuse_reduce: bool = True) -> Program:
+    """Assemble ``graph`` for ``num_sms`` SMs (any count ≥ 1); ``fuse_reduce``: split-K reduce folded into the
+    GEMV instructions (module docstring; False: separate GEMV_REDUCE instructions). Raises ValueError for
+    num_sms < 1 or an instruction that would need more than MAX_WAITS waits."""
     if not isinstance(num_sms, int) or num_sms < 1:
         raise ValueError(f"schedule: num_sms must be an integer ≥ 1, got {num_sms!r}")
-    bld = _Builder(graph, num_sms)
+    bld = _Builder(graph, num_sms, fuse_reduce)
     bld.buffer_id = {name: i for i, name in enumerate(graph.buffers)}
     for oi, op in enumerate(graph.ops):
         bld.add_op(oi, op)

@@ -8,6 +8,9 @@
 4. Every byte an instruction reads has a producer in the same step that is known complete when the
    instruction starts (vector clocks of per-SM prefixes implied by program order and waits).
 5. No two instructions of a step write the same bytes; state (recurrent, conv, KV) has one owner per step.
+   Exception, the fused split-K reduce (asm_regions): the output rows of a fused segment are a joint write of
+   its split instructions, exactly one per split (each split's instructions cover the segment's rows once);
+   by check 4 a reader of those rows must then know ALL of them complete, so a dropped wait still fails.
 6. Across steps: a step-2 write is ordered after every step-1 read or write of the same bytes, and the
    embed of step 2 after step 1's argmax (its token).
 Raises :class:`VerifyError` naming the instruction (sm, index, op) and the buffer at the first failure.
@@ -18,7 +21,8 @@ import bisect
 
 import numpy as np
 
-from assembler.asm_regions import regions
+from assembler.asm_regions import reduce_touches, regions
+from assembler.isa import fused_reduce
 from assembler.program import Program
 
 
@@ -123,6 +127,29 @@ def _clocks(prog: Program, steps: int) -> dict:
     return {"vc": vc, "L": L, "steps": steps}
 
 
+def _joint(prog: Program, a, b, buf: int) -> bool:
+    """Two fused-reduce GEMV instructions of one segment and different splits writing its output ``buf``."""
+    return (fused_reduce(a) and fused_reduce(b) and a.op == b.op and a.w0 == b.w0 and a.buf1 == b.buf1 == buf
+            and a.split != b.split)
+
+
+def _check_fused_cover(prog: Program) -> None:
+    """Each split of a fused segment covers its rows exactly once (a tile's arrival count is then S per step)."""
+    rows: dict = {}
+    for s, lst in enumerate(prog.sm_lists):
+        for j, ins in enumerate(lst):
+            if fused_reduce(ins):
+                rows.setdefault((ins.op, ins.w0, ins.nsplit), {}).setdefault(ins.split, []).append(
+                    (ins.row_start, ins.row_end, s, j))
+    for (oi, w0, S), per in rows.items():
+        n = prog.graph.ops[oi].segments[prog.weight_segment[w0][1]].n_out
+        for sp in range(S):
+            rr = sorted(per.get(sp, []))
+            if not rr or rr[0][0] != 0 or rr[-1][1] != n or any(a[1] != b[0] for a, b in zip(rr, rr[1:])):
+                raise VerifyError(f"fused reduce of {prog.graph.ops[oi].name} segment {prog.weight_segment[w0][1]}: "
+                                  f"split {sp} does not cover rows [0, {n}) exactly once: {[r[:2] for r in rr]}")
+
+
 def _check_data(prog: Program, clk: dict) -> None:
     lists, vc, L, steps = prog.sm_lists, clk["vc"], clk["L"], clk["steps"]
     acc = {}
@@ -134,14 +161,19 @@ def _check_data(prog: Program, clk: dict) -> None:
             acc[(s, j)] = (r, w, st)
             for b, lo, hi in w + st:
                 writes.setdefault(b, []).append((lo, hi, s, j))
-            for b, lo, hi in r + w + st:
+            for b, lo, hi in r + w + st + reduce_touches(prog, ins):
                 touches.setdefault(b, []).append((lo, hi, s, j))
     for b, lst in writes.items():
         lst.sort()
-        for (lo0, hi0, s0, j0), (lo1, hi1, s1, j1) in zip(lst, lst[1:]):
-            if lo1 < hi0:
-                raise VerifyError(f"{_where(prog, s0, j0)} and {_where(prog, s1, j1)} both write "
-                                  f"{prog.buffers[b].name}[{lo1}:{min(hi0, hi1)}]")
+        active: list = []
+        for lo1, hi1, s1, j1 in lst:
+            active = [a for a in active if a[1] > lo1]
+            for lo0, hi0, s0, j0 in active:
+                if not _joint(prog, lists[s0][j0], lists[s1][j1], b):
+                    raise VerifyError(f"{_where(prog, s0, j0)} and {_where(prog, s1, j1)} both write "
+                                      f"{prog.buffers[b].name}[{lo1}:{min(hi0, hi1)}]")
+            active.append((lo1, hi1, s1, j1))
+    _check_fused_cover(prog)
     known = lambda k, s, j, ps, pj, pk: vc[(k, s, j)][ps] > pk * L[ps] + pj
     for (s, j), (reads, _, _) in acc.items():
         for b, lo, hi in reads:

@@ -1,8 +1,9 @@
 """Megakernel vs CUDA-graph path on the 27B synthetic model at a 1k context, in the same run (article Part 6.4).
 
 Gate first (STYLE habit 11): two greedy steps of both paths must be bit-identical in every buffer, else nothing
-is timed. Then, with CUDA events: the graph replayed N times; the megakernel running N steps in one launch;
-the megakernel one launch per step; the persistent grid driven step by step from the host through mapped
+is timed. Then, with CUDA events: the graph replayed N times; the megakernel running N steps in one launch
+(default program: split-K reduce fused into the GEMV instructions; variants: GDN per key head, and
+``fuse_reduce=False``, the GEMV_REDUCE program); the megakernel one launch per step; the persistent grid driven step by step from the host through mapped
 memory (host round trip included); the NOP program (waits + bumps only: the dependency machinery's floor).
 The weight bytes streamed per token (ModelConfig.weight_bytes_per_token) give the bandwidth column. Writes
 ``bench/results/megakernel.json`` and ``bench/results/megakernel_timings.json`` (per-instruction globaltimer
@@ -58,19 +59,20 @@ def main(argv: list[str] | None = None) -> int:
     gb = DecodeStep(cfg, w, cap, 1, debug_logits=True)
     mk = Megakernel(gb)                # default: GDN per value head
     mk3 = Megakernel(gb, gdn_split=1)  # the program as assembled (GDN per key head)
+    mkr = Megakernel(gb, fuse_reduce=False)  # split-K reduce as separate GEMV_REDUCE instructions
     print(f"setup {time.perf_counter() - t0:.1f} s; program {mk.program.stats()}", flush=True)
     for s in (ga, gb):
         s.poison()
         s.reset(ctx, [1000])
     ga.capture()
     gate = None
-    for k, m in enumerate((mk, mk3)):  # one gate step each: every variant timed below
+    for k, m in enumerate((mk, mk3, mkr)):  # one gate step each: every variant timed below
         ga.replay()
         m.step()
         m.check()
         gate = compare_steps(ga, gb, m.program, 1)
         if gate is not None:
-            gate = (["default", "gdn_split1"][k],) + gate
+            gate = (["default", "gdn_split1", "reduce_instr"][k],) + gate
             break
     meta = {"preset": a.preset, "context": ctx, "timed_steps": N, "num_sms": mk.num_sms, "threads": mk.threads,
             "smem_bytes": mk.smem, "gate_identical": gate is None, "gate_first_mismatch": gate,
@@ -99,6 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     mk3.check()
     res.append({"name": "megakernel_step_one_launch_gdn_split1", "shape": shape, "correct": True, "ms": s_ms,
                 **bandwidth(nbytes, s_ms)})
+    save()
+    mkr.run_steps(2)
+    r_ms = _events_ms(gb.stream, lambda: mkr.run_steps(N), N)
+    mkr.check()
+    res.append({"name": "megakernel_step_one_launch_reduce_instr", "shape": shape, "correct": True, "ms": r_ms,
+                **bandwidth(nbytes, r_ms), "note": "fuse_reduce=False: GEMV_REDUCE instructions after each split-K op"})
     save()
     l_ms = _events_ms(gb.stream, lambda: [mk.step() for _ in range(N)], N)
     mk.check()

@@ -6,6 +6,10 @@ tile reduces it, fixed split order), else as ``partial`` + ``reduce``; the bits 
 Device arrays are CuPy arrays holding bit patterns: bf16 as ``uint16``, fp8 e4m3 as ``uint8``. Launches go to
 the current CuPy stream and allocate nothing (the caller preallocates partials and outputs once), so they can be
 captured into a CUDA graph.
+
+``Gemv(..., norm_weight=w)`` fuses the (1+w) RMSNorm of x into the launch (``*_norm_partial`` kernels): every
+block normalises x into shared memory with the standalone norm kernel's device function (same bits), block 0
+stores the normed rows where the caller asks (``normed=``), and the GEMV runs on them.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ NULL = np.uint64(0)  # a null pointer argument
 RING_MAX = 0         # default QMK_GEMV_RING_MAX of kernels/gemv.cuh: 0 = register-ring tile (measured faster)
 RING_LIMIT = 8       # deepest shared-memory weight ring the kernel supports (units per warp)
 UNIT_BYTES = 2048    # QMK_GEMV_UNIT_BYTES: one ring slot per warp (16 rows x 128 B of weights)
+NORM_STATIC_SMEM = 8 * 32  # static shared bytes of the *_norm_partial kernels (double red[warps ≤ 32])
 FUSE_MAX_SPLIT = 8   # __call__ fuses the reduce for M = 1 and S ≤ this (measured: faster there, slower at M = 8
                      # and at S = 40; docs/kernels-gemv.md run 4)
 
@@ -71,11 +76,14 @@ class Gemv:
     ``split_k(N, K)``. ``defines``: extra compile-time ``QMK_*`` knobs (e.g. QMK_GEMV_RING_MAX,
     QMK_GEMV_STAGES, QMK_PDL_PREFETCH_UNITS; results do not depend on them). ``pdl``: launch through
     ``discrete.launch`` with programmatic stream serialization (may start while the previous kernel drains;
-    same bits). Raises ValueError naming the argument on any contract violation.
+    same bits). ``norm_weight``: uint16 [K] (bf16 bits of a (1+w) RMSNorm weight): every call then takes the
+    un-normed x and runs on RMSNorm(x) computed in the launch's prologue (bit-identical to ``qmk_rmsnorm_rows``
+    followed by the plain GEMV); ``normed=`` [M, K] receives the normed rows. Raises ValueError naming the
+    argument on any contract violation.
     """
 
     def __init__(self, cfg: ModelConfig, w, scale=None, *, epilogue: str = "store", split: int | None = None,
-                 name: str = "gemv", defines: dict | None = None, pdl: bool = False):
+                 name: str = "gemv", defines: dict | None = None, pdl: bool = False, norm_weight=None):
         import cupy as cp
         _need(epilogue in EPILOGUES, f"{name}: epilogue {epilogue!r} not one of {sorted(EPILOGUES)}")
         _need(getattr(w, "ndim", 0) == 2, f"{name}.weight: expected a 2-D array [N, K]")
@@ -102,11 +110,18 @@ class Gemv:
         self.n_out = N // 2 if epilogue == "swiglu" else N
         ring_max = int((defines or {}).get("QMK_GEMV_RING_MAX", RING_MAX))
         optin = cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, dev.id)
+        self.norm_weight = norm_weight
+        xs_max = 0  # norm prologue: shared bytes of the normed rows, after the ring
+        if norm_weight is not None:
+            check_array(norm_weight, f"{name}.norm_weight (bf16 bits)", np.uint16, (K,), align=2)
+            xs_max = MAX_ROWS * K * 2
+            optin -= xs_max + NORM_STATIC_SMEM
         self.ring, self.smem = ring_depth(int((slices[:, 1] - slices[:, 0]).max()), warps, int(optin), ring_max)
         self.counters = cp.zeros(self.n_out // ROW_TILE, cp.uint32)  # fused reduce: arrivals per output tile
         mod = module(cfg, defines)
-        raw = mod.get_function("gemv_fp8_partial" if self.fp8 else "gemv_bf16_partial")
-        _allow_smem(raw, self.smem)
+        kind = "fp8" if self.fp8 else "bf16"
+        raw = mod.get_function(f"gemv_{kind}_norm_partial" if norm_weight is not None else f"gemv_{kind}_partial")
+        _allow_smem(raw, self.smem + xs_max)
         self.pdl = bool(pdl)
         self._partial = Kernel(raw, self.pdl, f"{name}.partial")
         self._reduce = Kernel(mod.get_function("gemv_reduce"), self.pdl, f"{name}.reduce")
@@ -120,11 +135,12 @@ class Gemv:
         """fp32 elements of the partials buffer for M rows: S · M · N."""
         return self.split * M * self.N
 
-    def partial(self, x, partials):
-        """Launch the split-K GEMV: x uint16 [M, K] → view of ``partials`` (flat fp32, ≥ S·M·N) as [S, M, N]."""
-        M = self._check_x(x)
+    def partial(self, x, partials, normed=None):
+        """Launch the split-K GEMV: x uint16 [M, K] → view of ``partials`` (flat fp32, ≥ S·M·N) as [S, M, N].
+        ``normed``: uint16 [M, K] for the normed rows (only with ``norm_weight``; None: not stored)."""
+        M = self._check_x(x, normed)
         P = self._partials_view(partials, M)
-        self._launch(x, P, -1, NULL, NULL, NULL)
+        self._launch(x, P, -1, NULL, NULL, NULL, normed)
         return P
 
     def reduce(self, P, out, residual=None):
@@ -141,33 +157,42 @@ class Gemv:
                      (P, n(self.split), n(M), n(self.N), self.epi, residual if residual is not None else NULL, out))
         return out
 
-    def __call__(self, x, out, partials, residual=None, fused: bool | None = None):
+    def __call__(self, x, out, partials, residual=None, fused: bool | None = None, normed=None):
         """partial + reduce: x uint16 [M, K], out uint16 [M, n_out], ``partials`` as for :meth:`partial`
-        (scratch), ``residual`` as for :meth:`reduce`. ``fused`` (default: M = 1 and S ≤ FUSE_MAX_SPLIT, where
-        it measured faster) runs both in one launch (the last warp of each output tile reduces it); the bits are
-        the same either way. Returns ``out``."""
-        M = self._check_x(x)
+        (scratch), ``residual`` as for :meth:`reduce`, ``normed`` as for :meth:`partial`. ``fused`` (default:
+        M = 1 and S ≤ FUSE_MAX_SPLIT, where it measured faster) runs both in one launch (the last warp of each
+        output tile reduces it); the bits are the same either way. Returns ``out``."""
+        M = self._check_x(x, normed)
         if fused is None:
             fused = M == 1 and self.split <= FUSE_MAX_SPLIT
         if not fused:
-            return self.reduce(self.partial(x, partials), out, residual)
+            return self.reduce(self.partial(x, partials, normed), out, residual)
         P = self._partials_view(partials, M)
         self._check_out(out, residual, M)
-        self._launch(x, P, int(self.epi), residual if residual is not None else NULL, out, self.counters)
+        self._launch(x, P, int(self.epi), residual if residual is not None else NULL, out, self.counters, normed)
         return out
 
-    def _launch(self, x, P, epi: int, residual, out, counters):
+    def _launch(self, x, P, epi: int, residual, out, counters, normed=None):
         n = np.int32
         M = int(x.shape[0])
         head = (self.w, self.scale) if self.fp8 else (self.w,)
-        args = head + (x, n(M), n(self.N), n(self.K), n(self.split), self.slices, P, n(self.ring), n(epi),
+        smem = self.smem
+        if self.norm_weight is not None:  # x, RMSNorm weight, normed-rows store, byte offset of xs after the ring
+            head += (x, self.norm_weight, normed if normed is not None else NULL, n(self.smem))
+            smem += M * self.K * 2
+        else:
+            head += (x,)
+        args = head + (n(M), n(self.N), n(self.K), n(self.split), self.slices, P, n(self.ring), n(epi),
                        residual, out, counters)
-        self._partial((len(self.slices),), (self.threads,), args, shared_mem=self.smem)
+        self._partial((len(self.slices),), (self.threads,), args, shared_mem=smem)
 
-    def _check_x(self, x) -> int:
+    def _check_x(self, x, normed=None) -> int:
         check_array(x, f"{self.name}: x (bf16 bits)", np.uint16)
         _need(x.ndim == 2 and x.shape[1] == self.K and 1 <= x.shape[0] <= MAX_ROWS,
               f"{self.name}: x must be [M, {self.K}] with 1 ≤ M ≤ {MAX_ROWS}, got {tuple(x.shape)}")
+        if normed is not None:
+            _need(self.norm_weight is not None, f"{self.name}: normed= given but the Gemv has no norm_weight")
+            check_array(normed, f"{self.name}: normed (bf16 bits)", np.uint16, tuple(x.shape))
         return int(x.shape[0])
 
     def _check_out(self, out, residual, M: int) -> None:

@@ -7,7 +7,11 @@ Per step of M ≤ 8 rows (positions pos..pos+M−1, read on the device from the 
   residual] → rmsnorm → lm_head + argmax → finish (control block: step += 1, pos += M, tokens[0] = argmax).
 Every op is the ``assembler/graph.py`` op with the graph's split-K; GEMV blocks cut the tasks with
 ``discrete.partition.gemv_slices`` (results depend on split-K only, never on the slicing). The megakernel runs
-each RMSNorm as a GEMV prologue; here it is one small kernel (same device function, same bits).
+each RMSNorm as a GEMV prologue; so does this step with ``fuse_norm`` (default): the input norm and the
+post-attention norm run inside the in-projection and gate|up launches (every block normalises x into shared
+memory with the standalone kernel's device function, block 0 stores ``xn.{i}`` / ``xn.{i}.post`` for the other
+readers), so the bits and every buffer equal the ``fuse_norm=False`` form (a separate 1-block norm kernel).
+The final norm stays a separate kernel (the lm_head has its own kernel, ~1,940 blocks).
 
 Everything is allocated in the constructor: weights (given), one activation arena (every activation buffer of
 ``verify_graph(cfg, 8)`` plus the normed inputs), one split-K scratch, GDN state + conv rings, paged KV (all
@@ -82,10 +86,13 @@ class DecodeStep:
     session may hold (KV pages reserved at start-up); m_rows: rows of the captured step (1 = decode, ≤ 8 =
     verify); debug_logits: also keep the bf16 logits [M, V] (for tests); pdl: launch with Programmatic Dependent
     Launch — True (default: every kernel; measured on the H200, 27B, ctx 1024: 11.42 → 10.81 ms/token), False, or
-    launch categories (:func:`pdl_categories`); the results are bit-identical either way. Raises ValueError on bad arguments."""
+    launch categories (:func:`pdl_categories`); the results are bit-identical either way. fuse_norm: run the
+    input and post-attention RMSNorms as the prologue of the in-projection / gate|up launches (default) instead of
+    as separate kernels; bit-identical either way (with fuse_norm the "norm" category holds only the final norm).
+    Raises ValueError on bad arguments."""
 
     def __init__(self, cfg: ModelConfig, weights, capacity: int, m_rows: int = 1, *, debug_logits: bool = False,
-                 pdl=True):
+                 pdl=True, fuse_norm: bool = True):
         import cupy as cp
         if weights.cfg != cfg:
             raise ValueError("DecodeStep: weights were built for another config")
@@ -96,6 +103,7 @@ class DecodeStep:
         self.cfg, self.w, self.capacity, self.m = cfg, weights, int(capacity), int(m_rows)
         self.debug_logits = debug_logits
         self.pdl = pdl_categories(pdl)
+        self.fuse_norm = bool(fuse_norm)
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.graph = verify_graph(cfg, MAX_ROWS)     # buffer sizes for up to 8 rows; steps use row prefixes
         self._alloc_arena()
@@ -169,8 +177,9 @@ class DecodeStep:
                 seg = op.segments[0]
                 p = L[key]
                 epi = "store" if key == "in" else seg.epilogue
+                nw = {"in": L["in_norm"], "gate_up": L["post_norm"]}.get(key) if self.fuse_norm else None
                 ops[key] = Gemv(cfg, p.w, p.scale, epilogue=epi, split=seg.split, name=f"L{i}.{key}",
-                                pdl=on(cat[key]))
+                                pdl=on(cat[key]), norm_weight=nw)
                 if key == "in":
                     ops["in_cuts"] = (p.rows[1], p.rows[2] if len(p.rows) > 3 else p.rows[-1])
             if cfg.layer_types[i] == FULL:
@@ -202,15 +211,18 @@ class DecodeStep:
         for i, (L, ops) in enumerate(zip(self.w.layers, self.layer_ops)):
             x, xn, xm, xp = B[f"x.{i}"], B[f"xn.{i}"], B[f"x.{i}.mid"], B[f"xn.{i}.post"]
             nxt = B[f"x.{i + 1}"]
-            out.append(("norm", norm(x, L["in_norm"], xn)))
+            fuse = self.fuse_norm
+            if not fuse:
+                out.append(("norm", norm(x, L["in_norm"], xn)))
             gin, (c1, c2) = ops["in"], ops["in_cuts"]
             if "gdn" in ops:
                 o, outs = B[f"o.{i}"], (B[f"qkv.{i}"], B[f"z.{i}"], None)
             else:
                 o, outs = B[f"o.{i}"], (B[f"qg.{i}"], B[f"k.{i}"], B[f"v.{i}"])
 
-            def in_proj(gin=gin, xn=xn, outs=outs, c1=c1, c2=c2):
-                P = gin.partial(xn[:M], self.partials)
+            def in_proj(gin=gin, x=x, xn=xn, outs=outs, c1=c1, c2=c2, fuse=fuse):
+                # fused: RMSNorm(x) in the partial kernel's prologue, block 0 stores it to xn (GDN reads it)
+                P = gin.partial(x[:M], self.partials, normed=xn[:M]) if fuse else gin.partial(xn[:M], self.partials)
                 tot = M * gin.N
                 self._k_seg(((tot + 255) // 256,), (256,), (P, i32(gin.split), i32(M), i32(gin.N), i32(c1), i32(c2),
                                                           outs[0], outs[1], NULL if outs[2] is None else outs[2]))
@@ -223,8 +235,12 @@ class DecodeStep:
                     B[f"qg.{i}"], B[f"k.{i}"], B[f"v.{i}"], self.kv, self.sess, ops["attn_layer"], o, self.pos_dev, M)))
             out.append(("out_proj", lambda g=ops["out"], o=o, x=x, xm=xm:
                         g(o[:M], xm[:M], self.partials, residual=x[:M])))
-            out.append(("norm", norm(xm, L["post_norm"], xp)))
-            out.append(("mlp", lambda g=ops["gate_up"], xp=xp, a=B[f"act.{i}"]: g(xp[:M], a[:M], self.partials)))
+            if fuse:
+                out.append(("mlp", lambda g=ops["gate_up"], xm=xm, xp=xp, a=B[f"act.{i}"]:
+                            g(xm[:M], a[:M], self.partials, normed=xp[:M])))
+            else:
+                out.append(("norm", norm(xm, L["post_norm"], xp)))
+                out.append(("mlp", lambda g=ops["gate_up"], xp=xp, a=B[f"act.{i}"]: g(xp[:M], a[:M], self.partials)))
             out.append(("mlp", lambda g=ops["down"], a=B[f"act.{i}"], xm=xm, nxt=nxt:
                         g(a[:M], nxt[:M], self.partials, residual=xm[:M])))
         xL = B[f"x.{cfg.num_hidden_layers}"]

@@ -86,7 +86,13 @@ __device__ __forceinline__ void mk_tile(float (&acc)[4], const MkWeight& W, cons
 // GEMV: rows [r0, r1) of weight w0 (for swiglu: gate rows r0.. and up rows F+r0.. of the fused [2F, K] weight),
 // split `split` of `nsplit`, on x = buf0 (or its RMSNorm with weight w1, computed into shared memory; buf5 ≥ 0:
 // that input is also stored there, [M, K]).
-// nsplit > 1: fp32 partials into buf3 [S, M, rows(w0)]; nsplit == 1: the epilogue straight into buf1.
+// nsplit > 1: fp32 partials into buf3 [S, M, rows(w0)]; with sub & QMK_SUB_FUSE_REDUCE the warp then counts the
+// tile in on its arrival counter (uint32 [rows(w0) / 16] right after the partials, runner-owned) and the last of
+// the tile's S (swiglu: 2S) arrivals reduces it into buf1 (gemv.cuh qmk_gemv_finish_tile: partials at L2, fixed
+// split order, the same epilogue as GEMV_REDUCE; it resets the counter for the next step). Memory order: the
+// partial stores → __syncwarp + fence.acq_rel.gpu + atomicAdd (release); the last arriver's fence (acquire)
+// → its reads; the block's bump after the instruction releases the tile outputs to the consumers.
+// nsplit == 1: the epilogue straight into buf1.
 __device__ void mk_gemv(const MkParams& P, const int* w, qmk_u16* xn, MkSmemTail& sm, qmk_u32 ring) {
   const int sub = w[QMK_F_SUB], pro = sub & 15, epi = (sub >> 4) & 15;
   const int M = w[QMK_F_M], r0 = w[QMK_F_ROW_START], r1 = w[QMK_F_ROW_END];
@@ -111,14 +117,20 @@ __device__ void mk_gemv(const MkParams& P, const int* w, qmk_u16* xn, MkSmemTail
   const int tiles = (r1 - r0) / QMK_ROW_TILE;
   if (S > 1) {
     float* part = mk_buf<float>(P, w[QMK_F_BUF3]);
+    const bool fused = (sub & QMK_SUB_FUSE_REDUCE) != 0;
+    unsigned int* arrive = reinterpret_cast<unsigned int*>(part + (size_t)S * M * N);  // [N / 16], after the partials
+    qmk_u16* out = fused ? mk_buf<qmk_u16>(P, w[QMK_F_BUF1]) : nullptr;
+    const qmk_u16* resid = fused && epi == QMK_EPI_RESIDUAL ? mk_buf<const qmk_u16>(P, w[QMK_F_BUF2]) : nullptr;
     for (int t = warp; t < tiles; t += MK_WARPS) {
       const int row0 = r0 + t * QMK_ROW_TILE;
       float acc[4];
       mk_tile(acc, W, x, M, row0, kb0, kb1, ring);
       qmk_gemv_store_partial(acc, part, M, N, s, row0);
+      if (fused) qmk_gemv_finish_tile(part, S, M, N, epi, row0 / QMK_ROW_TILE, arrive, resid, out);
       if (epi == QMK_EPI_SWIGLU) {
         mk_tile(acc, W, x, M, F + row0, kb0, kb1, ring);
         qmk_gemv_store_partial(acc, part, M, N, s, F + row0);
+        if (fused) qmk_gemv_finish_tile(part, S, M, N, epi, (F + row0) / QMK_ROW_TILE, arrive, resid, out);
       }
     }
     return;

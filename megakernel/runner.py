@@ -9,7 +9,8 @@ instructions of stages ≤ N: every wait points at an earlier stage, so the pref
 (a ``QMK_MK_TIMING`` build writing globaltimer stamps per instruction; see ``megakernel/timings.py``),
 ``delay_op`` (debug: the instructions of one op sleep first, so a removed wait on it shows), ``gdn_split``
 (each GDN_STEP's value heads spread over that many SMs: :func:`split_gdn`; default: the head group, one value head
-per instruction), ``defines`` (extra ``QMK_*`` build knobs, e.g. ``QMK_MK_RING``; results never depend on them).
+per instruction), ``fuse_reduce`` (default True: the split-K reduce inside the GEMV instructions, the last arriving
+warp of a tile reduces it; False: separate GEMV_REDUCE instructions, assembler/scheduler.py), ``defines`` (extra ``QMK_*`` build knobs, e.g. ``QMK_MK_RING``; results never depend on them).
 """
 from __future__ import annotations
 
@@ -86,10 +87,10 @@ def ring_slots(cfg: ModelConfig) -> int:
 
 
 @functools.lru_cache(maxsize=16)
-def build_program(cfg: ModelConfig, m: int, num_sms: int, layer_limit: int | None = None):
+def build_program(cfg: ModelConfig, m: int, num_sms: int, layer_limit: int | None = None, fuse_reduce: bool = True):
     """The assembled program of ``verify_graph(cfg, m, layer_limit)`` for ``num_sms`` SMs (cached per process:
     the 27B schedule takes seconds; callers never modify it)."""
-    return schedule(verify_graph(cfg, m, layer_limit), num_sms)
+    return schedule(verify_graph(cfg, m, layer_limit), num_sms, fuse_reduce)
 
 
 def _cover_waits(prog, ins) -> tuple:
@@ -220,7 +221,7 @@ class Megakernel:
     def __init__(self, decode_step, num_sms: int | None = None, *, m_rows: int | None = None,
                  layer_limit: int | None = None, stop_after: int | None = None, nop: bool = False,
                  timing: bool = False, drop_wait=None, delay_op: int = -1, delay_ns: int = 0,
-                 gdn_split: int | None = None, defines: dict | None = None):
+                 gdn_split: int | None = None, defines: dict | None = None, fuse_reduce: bool = True):
         import cupy as cp
         self.ds, self.cfg = decode_step, decode_step.cfg
         cfg = self.cfg
@@ -229,7 +230,8 @@ class Megakernel:
         self.m = int(m_rows or decode_step.m)
         if not 1 <= self.m <= MAX_ROWS:
             raise ValueError(f"Megakernel: m_rows={self.m}; expected 1..{MAX_ROWS}")
-        self.program = build_program(cfg, self.m, self.num_sms, layer_limit)
+        self.fuse_reduce = bool(fuse_reduce)
+        self.program = build_program(cfg, self.m, self.num_sms, layer_limit, self.fuse_reduce)
         if gdn_split is None:  # default: every value head its own GDN_STEP (measured faster on the 27B, run 7)
             gdn_split = cfg.gdn_head_group
         if gdn_split > 1:
@@ -239,6 +241,7 @@ class Megakernel:
         self.lens = stage_lengths(self.program, stop_after)
         self.stop_after, self.timing = stop_after, timing
         self._keep = []  # device arrays the tables point into
+        self._arrive = []  # the fused-reduce tile arrival counters behind each partial buffer (views of its allocation)
         self.d_prog = cp.asarray(words)
         self.d_lens = cp.asarray(self.lens)
         self.counters = cp.full(len(self.program.counters), COUNTER_SEED, cp.uint32)
@@ -285,7 +288,9 @@ class Megakernel:
     def _buffer_table(self) -> np.ndarray:
         """uint64 [n_buffers]: the DecodeStep's arena views for activations, its control-block tokens / argmax
         ids for io, its per-layer state; our own allocations for split-K partials (and logits when the step
-        keeps none)."""
+        keeps none). A partial buffer [S, M, N] fp32 is followed by its fused-reduce tile arrival counters,
+        uint32 [N / 16] (isa.py FUSE_REDUCE), zeroed here once: every step's last arrival of a tile resets its
+        counter, so they are 0 again at every step boundary (and across launches)."""
         import cupy as cp
         ds, cfg = self.ds, self.cfg
         out = np.zeros(len(self.program.buffers), np.uint64)
@@ -308,8 +313,12 @@ class Megakernel:
                                      f"[{self.m}, {b.shape[1:]}]")
                 out[i] = a.data.ptr
             elif b.kind == "partial":
-                a = cp.full(b.shape, np.nan, cp.float32)
-                self._keep.append(a)
+                n = int(np.prod(b.shape))
+                raw = cp.zeros(4 * (n + b.shape[-1] // 16), cp.uint8)  # [partials | arrival counters]
+                a = raw[:4 * n].view(cp.float32).reshape(b.shape)
+                a.fill(np.nan)
+                self._keep.append(a)        # poison() refills the partials only, never the counters
+                self._arrive.append(raw[4 * n:].view(cp.uint32))
                 out[i] = a.data.ptr
             elif b.name == "tokens":
                 out[i] = ds.tokens_dev.data.ptr
@@ -451,6 +460,12 @@ class Megakernel:
         low = [(c.name, int((int(v) - COUNTER_SEED) % 2**32), step * c.expected)
                for c, v in zip(self.program.counters, host) if (int(v) - COUNTER_SEED) % 2**32 < step * c.expected]
         return f"{len(low)} counters short of step {step}: " + ", ".join(f"{n}={v}/{t}" for n, v, t in low[:8])
+
+    def arrivals_pending(self) -> int:
+        """Nonzero fused-reduce tile arrival counters (0 at every step boundary: each tile's last arrival resets its
+        counter; tests check it)."""
+        self.ds.stream.synchronize()
+        return int(sum(int((a != 0).sum()) for a in self._arrive))
 
     def counter_values(self) -> np.ndarray:
         """Counters minus the seed (bumps received since construction), int64 [n_counters]."""

@@ -3,8 +3,10 @@
 // standalone reduce + epilogue. PDL (discrete/launch.py, pdl.cuh): each wrapper lets its successor be scheduled
 // and waits for its predecessor before touching x, P, out, resid or counters; the partial kernels first prefetch
 // into L2 the first QMK_PDL_PREFETCH_UNITS weight units of each warp's first task (weights never depend on an
-// earlier kernel), so that a kernel launched early streams weights while its predecessor drains.
+// earlier kernel), so that a kernel launched early streams weights while its predecessor drains. The *_norm_partial
+// forms first compute the (1+w) RMSNorm of x into shared memory (the standalone norm kernel fused away, issue 5).
 #include "gemv.cuh"
+#include "norm.cuh"
 #include "pdl.cuh"
 
 #ifndef QMK_PDL_PREFETCH_UNITS
@@ -62,6 +64,58 @@ gemv_bf16_partial(const qmk_u16* __restrict__ W, const qmk_u16* x, int M, int N,
     qmk_gemv_pdl_prefetch<QMK_W_BF16>(W, nullptr, K, S, slices[blockIdx.x]);
     qmk_pdl_wait();
     qmk_gemv_slice_ring<QMK_W_BF16, QMK_GEMV_BF16_WARPS>(W, nullptr, x, M, N, K, S, slices[blockIdx.x], P, ring, epi,
+                                                         resid, out, counters);
+}
+
+// RMSNorm prologue of the *_norm_partial kernels: the block normalises x [M, K] with the (1+w) weight nw into
+// xs [M, K] (shared memory) with mx_rmsnorm_rows — the device function of the standalone qmk_rmsnorm_rows kernel
+// (finish.cu) and of the megakernel's GEMV prologue, so the same bits — and block 0 also stores the rows to
+// xn_out [M, K] (null: no store), the buffer the step's other readers use (GDN in_proj_a/b, snapshots).
+// Reads x: call after qmk_pdl_wait(). Contains __syncthreads(): every thread of the block calls it.
+template <int NWARPS>
+__device__ __forceinline__ void qmk_gemv_norm_prologue(const qmk_u16* x, const qmk_u16* __restrict__ nw,
+                                                       qmk_u16* xn_out, int M, int K, qmk_u16* xs, double* red) {
+    mx_rmsnorm_rows<32 * NWARPS>(x, K, nw, xs, K, M, K, red);
+    __syncthreads();  // xs complete before any warp's GEMV (or block 0's copy) reads it
+    if (blockIdx.x == 0 && xn_out != nullptr) {
+        const uint4* src = reinterpret_cast<const uint4*>(xs);
+        uint4* dst = reinterpret_cast<uint4*>(xn_out);
+        for (int i = threadIdx.x; i < M * K / 8; i += 32 * NWARPS) dst[i] = src[i];
+    }
+}
+
+// gemv_fp8_partial on RMSNorm(x; nw) instead of x: x [M, K] bf16 (un-normed), nw [K] bf16 (the (1+w) weight),
+// xn_out [M, K] bf16 or null (block 0 stores the normed rows there). Dynamic shared memory: xs_off bytes of
+// weight ring (0 for the register-ring build), then xs [M, K] bf16 at byte xs_off (16-byte aligned).
+extern "C" __global__ void __launch_bounds__(32 * QMK_GEMV_WARPS, 1)
+gemv_fp8_norm_partial(const qmk_u8* __restrict__ W, const qmk_u16* __restrict__ scale, const qmk_u16* x,
+                      const qmk_u16* __restrict__ nw, qmk_u16* xn_out, int xs_off, int M, int N, int K, int S,
+                      const QmkGemvSlice* __restrict__ slices, float* P, int ring, int epi, const qmk_u16* resid,
+                      qmk_u16* out, unsigned int* counters) {
+    qmk_pdl_launch_dependents();
+    qmk_gemv_pdl_prefetch<QMK_W_FP8>(W, scale, K, S, slices[blockIdx.x]);
+    qmk_pdl_wait();
+    __shared__ double red[QMK_GEMV_WARPS];
+    extern __shared__ __align__(16) qmk_u8 qmk_gemv_norm_smem[];
+    qmk_u16* xs = reinterpret_cast<qmk_u16*>(qmk_gemv_norm_smem + xs_off);
+    qmk_gemv_norm_prologue<QMK_GEMV_WARPS>(x, nw, xn_out, M, K, xs, red);
+    qmk_gemv_slice_ring<QMK_W_FP8, QMK_GEMV_WARPS>(W, scale, xs, M, N, K, S, slices[blockIdx.x], P, ring, epi, resid,
+                                                   out, counters);
+}
+
+// gemv_bf16_partial on RMSNorm(x; nw), arguments and shared memory as gemv_fp8_norm_partial.
+extern "C" __global__ void __launch_bounds__(32 * QMK_GEMV_BF16_WARPS, 1)
+gemv_bf16_norm_partial(const qmk_u16* __restrict__ W, const qmk_u16* x, const qmk_u16* __restrict__ nw,
+                       qmk_u16* xn_out, int xs_off, int M, int N, int K, int S, const QmkGemvSlice* __restrict__ slices,
+                       float* P, int ring, int epi, const qmk_u16* resid, qmk_u16* out, unsigned int* counters) {
+    qmk_pdl_launch_dependents();
+    qmk_gemv_pdl_prefetch<QMK_W_BF16>(W, nullptr, K, S, slices[blockIdx.x]);
+    qmk_pdl_wait();
+    __shared__ double red[QMK_GEMV_BF16_WARPS];
+    extern __shared__ __align__(16) qmk_u8 qmk_gemv_norm_smem[];
+    qmk_u16* xs = reinterpret_cast<qmk_u16*>(qmk_gemv_norm_smem + xs_off);
+    qmk_gemv_norm_prologue<QMK_GEMV_BF16_WARPS>(x, nw, xn_out, M, K, xs, red);
+    qmk_gemv_slice_ring<QMK_W_BF16, QMK_GEMV_BF16_WARPS>(W, nullptr, xs, M, N, K, S, slices[blockIdx.x], P, ring, epi,
                                                          resid, out, counters);
 }
 

@@ -191,7 +191,8 @@ __device__ __forceinline__ void qmk_gemv_slice(const void* W, const qmk_u16* sca
 template <bool CG = false>
 __device__ __forceinline__ float qmk_gemv_reduce_at(const float* P, int S, int M, int N, int m, int n) {
     float y = CG ? __ldcg(P + (size_t)m * N + n) : P[(size_t)m * N + n];
-    for (int s = 1; s < S; ++s) {
+#pragma unroll 8  // lets the S loads issue together (a fused tail otherwise waits S serial L2 round trips);
+    for (int s = 1; s < S; ++s) {  // the adds keep split order, so the bits do not change
         const float* p = P + ((size_t)s * M + m) * N + n;
         y = __fadd_rn(y, CG ? __ldcg(p) : *p);
     }

@@ -46,6 +46,7 @@
 #define QMK_EPI_STORE 0
 #define QMK_EPI_RESIDUAL 1
 #define QMK_EPI_SWIGLU 2
+#define QMK_SUB_FUSE_REDUCE 256
 
 #define QMK_BUF_ACT 0
 #define QMK_BUF_PARTIAL 1

@@ -53,10 +53,10 @@ def same_state(a, b, cfg):
     assert a.pos == b.pos
 
 
-def run_sequence(w, exp, sms, orders):
+def run_sequence(w, exp, sms, orders, fuse_reduce=True):
     cfg = w.config
     st = exp["start"].copy()
-    vms = {m: VM(schedule(verify_graph(cfg, m), sms), w, CACHE) for m in (1, 3)}
+    vms = {m: VM(schedule(verify_graph(cfg, m), sms, fuse_reduce=fuse_reduce), w, CACHE) for m in (1, 3)}
     for (ids, logits, st_ref), (order, seed) in zip(exp["steps"], orders):
         got, nxt = vms[len(ids)].run_step(st, ids, order=order, seed=seed)
         assert np.array_equal(got.view(np.uint16), logits.view(np.uint16)), f"logits differ (sms={sms}, {order})"
@@ -73,6 +73,13 @@ def test_vm_equals_reference(ref, expected, sms):
 
 def test_vm_verify_step_round_robin(ref, expected):
     run_sequence(ref[0], expected, 5, [("rr", 0)] * 3)
+
+
+def test_vm_reduce_instr_program(ref, expected):
+    """fuse_reduce=False (GEMV_REDUCE instructions) stays bit-identical too; the default program fuses the reduce
+    into the GEMV instructions (the VM reduces each tile inside its last-arriving split, whichever that is)."""
+    seed = int(np.random.default_rng().integers(0, 1 << 30))
+    run_sequence(ref[0], expected, 7, [("rr", 0), ("random", seed), ("random", seed + 1)], fuse_reduce=False)
 
 
 @pytest.mark.slow

@@ -16,9 +16,15 @@ GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "program_tiny.txt"
 GOLDEN_CMD = "python3 -m host.cli inspect --preset tiny --sms 7 > tests/golden/program_tiny.txt"
 
 
-@pytest.fixture(scope="module", params=[1, 2, 7, 132])
+@pytest.fixture(scope="module", params=[(1, True), (2, True), (7, True), (132, True), (7, False), (132, False)],
+                ids=lambda p: f"sms{p[0]}-{'fused' if p[1] else 'reduce_instr'}")
 def prog(request):
-    return schedule(verify_graph(preset("tiny"), 2), request.param)
+    sms, fuse = request.param
+    return schedule(verify_graph(preset("tiny"), 2), sms, fuse_reduce=fuse)
+
+
+def _fused(prog) -> bool:
+    return not any(i.opcode == Opcode.GEMV_REDUCE for l in prog.sm_lists for i in l)
 
 
 def test_partition_tiles_every_op_once(prog):
@@ -29,7 +35,8 @@ def test_partition_tiles_every_op_once(prog):
                 cover = {}
                 for sm, r0, r1, s, seg in prog.slices(op.name, stage):
                     cover.setdefault((seg, s), []).append((r0, r1))
-                want = {(i, s) for i, sg in enumerate(op.segments) if stage == "main" or sg.split > 1
+                want = {(i, s) for i, sg in enumerate(op.segments)
+                        if stage == "main" or (sg.split > 1 and not _fused(prog))
                         for s in (range(sg.split) if stage == "main" else [0])}
                 assert set(cover) == want, (op.name, stage)
                 for (seg, s), rr in cover.items():
@@ -90,6 +97,26 @@ def test_no_wait_on_own_later_work_and_counters(prog):
                 if o == 0:
                     assert all(st < prog.stage_of[(s, j)] for _, _, st in bumpers[c])
                     assert all(jj < j for ss, jj, _ in bumpers[c] if ss == s)
+
+
+def test_fused_reduce_program(prog):
+    """fuse_reduce: every split-K GEMV carries FUSE_REDUCE and bumps its op's ``out`` counter, no GEMV_REDUCE and no
+    ``part`` counter exist, and every consumer of a fused op's output waits on that counter for all of the op's
+    GEMV instructions of the group. fuse_reduce=False: no GEMV carries the flag."""
+    from assembler.isa import FUSE_REDUCE, fused_reduce
+    gemv = [i for l in prog.sm_lists for i in l if i.opcode == Opcode.GEMV]
+    if not _fused(prog):
+        assert not any(i.sub & FUSE_REDUCE for i in gemv)
+        return
+    assert all(fused_reduce(i) == (i.nsplit > 1) for i in gemv)
+    assert not any(c.stage == "part" for c in prog.counters)
+    fused_ctr = {i.bump for i in gemv if fused_reduce(i)}
+    assert fused_ctr and all(prog.counters[c].stage == "out" for c in fused_ctr)
+    for c in fused_ctr:
+        assert prog.counters[c].expected == sum(1 for l in prog.sm_lists for i in l if i.bump == c)
+    waited = {c for l in prog.sm_lists for i in l for c, _, _ in i.waits}
+    # single SM: program order alone orders everything, so no wait is needed at all
+    assert prog.num_sms == 1 or fused_ctr & waited
 
 
 def test_deterministic_and_bad_input():

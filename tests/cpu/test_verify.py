@@ -6,15 +6,16 @@ import numpy as np
 import pytest
 
 from assembler.graph import mtp_graph, verify_graph
-from assembler.isa import Opcode
+from assembler.isa import Opcode, fused_reduce
 from assembler.scheduler import schedule
 from assembler.verify import VerifyError, verify
 from loader.config import preset
 
 
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "reduce_instr"])
 @pytest.mark.parametrize("sms,m", [(1, 1), (7, 1), (7, 8), (132, 1), (3, 5)])
-def test_assembled_programs_verify(sms, m):
-    p = schedule(verify_graph(preset("tiny"), m), sms)
+def test_assembled_programs_verify(sms, m, fuse):
+    p = schedule(verify_graph(preset("tiny"), m), sms, fuse_reduce=fuse)
     assert verify(p)["instructions"] == sum(len(l) for l in p.sm_lists)
 
 
@@ -28,9 +29,9 @@ def _drop_wait(p, s, j, w):
     return ins
 
 
-@pytest.mark.parametrize("sms,m,sample", [(7, 2, 40), (132, 1, 12)])
-def test_every_removed_wait_is_caught(sms, m, sample):
-    p = schedule(verify_graph(preset("tiny"), m), sms)
+@pytest.mark.parametrize("sms,m,sample,fuse", [(7, 2, 40, True), (132, 1, 12, True), (7, 2, 20, False)])
+def test_every_removed_wait_is_caught(sms, m, sample, fuse):
+    p = schedule(verify_graph(preset("tiny"), m), sms, fuse_reduce=fuse)
     allw = [(s, j, w) for s, l in enumerate(p.sm_lists) for j, i in enumerate(l) for w in range(i.nwaits)]
     rng = np.random.default_rng()
     pick = [allw[i] for i in rng.choice(len(allw), size=min(sample, len(allw)), replace=False)]
@@ -43,9 +44,9 @@ def test_every_removed_wait_is_caught(sms, m, sample):
     verify(p)  # restored program passes again
 
 
-@pytest.fixture
-def small():
-    return schedule(verify_graph(preset("tiny"), 1, layer_limit=2), 4)
+@pytest.fixture(params=[True, False], ids=["fused", "reduce_instr"])
+def small(request):
+    return schedule(verify_graph(preset("tiny"), 1, layer_limit=2), 4, fuse_reduce=request.param)
 
 
 def _first(p, opcode):
@@ -53,12 +54,48 @@ def _first(p, opcode):
 
 
 def test_overlapping_writes_caught(small):
-    s, j = next((s, j) for s, l in enumerate(small.sm_lists) for j, i in enumerate(l)
-                if i.opcode == Opcode.GEMV_REDUCE and i.row_start > 0)
+    s, j = next((s, j) for s, l in enumerate(small.sm_lists) for j, i in enumerate(l)  # output writers
+                if (i.opcode == Opcode.GEMV_REDUCE or fused_reduce(i)) and i.row_start > 0)
     ins = small.sm_lists[s][j]
     small.sm_lists[s][j] = dataclasses.replace(ins, row_start=ins.row_start - 16)
     with pytest.raises(VerifyError, match="both write"):
         verify(small)
+
+
+def _fused_program():
+    return schedule(verify_graph(preset("tiny"), 1, layer_limit=2), 7)
+
+
+def test_fused_reduce_joint_write_rules():
+    """The S split instructions of a fused segment jointly write its outputs: one more writer of the same rows
+    and split, or a split that leaves rows uncovered, is caught."""
+    p = _fused_program()
+    s, j = next((s, j) for s, l in enumerate(p.sm_lists) for j, i in enumerate(l) if fused_reduce(i))
+    ins = p.sm_lists[s][j]
+    p.sm_lists[s][j] = dataclasses.replace(ins, split=(ins.split + 1) % ins.nsplit)  # two writers of one split
+    with pytest.raises(VerifyError, match="both write"):
+        verify(p)
+    p.sm_lists[s][j] = ins
+    verify(p)
+    p.sm_lists[s][j] = dataclasses.replace(ins, row_end=ins.row_end - 16) if ins.row_end - ins.row_start > 16 else \
+        dataclasses.replace(ins, row_start=ins.row_start + 16, row_end=ins.row_end + 16)
+    with pytest.raises(VerifyError):
+        verify(p)
+
+
+def test_fused_reduce_consumer_wait_removed_is_caught():
+    """Every wait on a fused op's GEMV counter is needed: dropping any one of them leaves a read of the tile
+    outputs (written by whichever split arrives last) unordered."""
+    p = _fused_program()
+    ctr = {i.bump for l in p.sm_lists for i in l if fused_reduce(i)}
+    hits = [(s, j, w) for s, l in enumerate(p.sm_lists) for j, i in enumerate(l) for w, (c, _, _) in enumerate(i.waits)
+            if c in ctr]
+    assert hits
+    for s, j, w in hits:
+        orig = _drop_wait(p, s, j, w)
+        with pytest.raises(VerifyError, match="before its producer"):
+            verify(p)
+        p.sm_lists[s][j] = orig
 
 
 def test_wrong_expected_and_unreachable_caught(small):

@@ -1,7 +1,8 @@
 """The megakernel against the discrete path on the tiny synthetic model: bit identity (uint16 / int32 / fp32
 bit patterns) of every buffer the program writes — activations per layer, logits, argmax ids, GDN recurrent
-state and conv rings, KV pages — after every step, for M = 1 and M = 2..8 rows over 64 consecutive steps;
-the one-launch multi-step loop, the persistent loop, the NOP program, the knobs, and a removed dependency.
+state and conv rings, KV pages — after every step, for M = 1 and M = 2..8 rows over 64 consecutive steps (fused
+split-K reduce, the default; for M = 1 also the GEMV_REDUCE program); the one-launch multi-step loop, the
+persistent loop, the NOP program, the knobs, and a removed dependency.
 
 Two DecodeSteps over one WeightsGPU: A runs the captured CUDA graph, B's allocations are driven by the
 megakernel. Everything either path writes is NaN-poisoned before the first step.
@@ -67,12 +68,16 @@ def _tokens(rng, m):
     return rng.integers(0, 248000, size=m).astype(np.int32)
 
 
+@pytest.mark.parametrize("fuse_reduce", [True, False], ids=["fused_reduce", "reduce_instr"])
 @pytest.mark.parametrize("gdn_split", [1, 3], ids=["program", "gdn_split3"])
-def test_m1_greedy_64_steps_bit_identical(gpu, weights, gdn_split):
+def test_m1_greedy_64_steps_bit_identical(gpu, weights, gdn_split, fuse_reduce):
     """Greedy decode: A replays the graph, B runs one megakernel launch per step; both feed back their own
     argmax (the finish stage), so any difference anywhere propagates. gdn_split3: each GDN_STEP's value heads
-    spread over 3 SMs (runner.split_gdn)."""
-    a, b, mk = _pair(weights, 1, gdn_split=gdn_split)
+    spread over 3 SMs (runner.split_gdn). fused_reduce (default): the split-K reduce done by each tile's last
+    arriving GEMV warp; reduce_instr: the old program with GEMV_REDUCE instructions. The fused reduce's tile
+    arrival counters must be back at 0 after every step (the last arrival resets them)."""
+    a, b, mk = _pair(weights, 1, gdn_split=gdn_split, fuse_reduce=fuse_reduce)
+    assert any(i.opcode == Opcode.GEMV_REDUCE for l in mk.program.sm_lists for i in l) != fuse_reduce
     for s in (a, b):
         s.reset(0, [1234])
     a.capture()
@@ -85,6 +90,7 @@ def test_m1_greedy_64_steps_bit_identical(gpu, weights, gdn_split):
     assert a.control().tobytes() == b.control().tobytes()
     cv = mk.counter_values()
     assert np.array_equal(cv, STEPS * np.array([c.expected for c in mk.program.counters])), "counter totals"
+    assert mk.arrivals_pending() == 0, "a fused-reduce tile arrival counter was left nonzero"
 
 
 @pytest.mark.parametrize("m", [2, 3, 4, 5, 6, 7, 8])

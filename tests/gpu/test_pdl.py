@@ -116,14 +116,27 @@ def test_launch_helper_checks_against_the_kernel(tiny_w):
         assert k._sizes == (8, 4, 4, 4, 4, 8, 8)
     P, out = cp.zeros(16, cp.float32), cp.zeros(16, cp.uint16)
     n = np.int32
-    with pytest.raises(LaunchError, match="Python int"):
-        k((1,), (256,), (P, 1, n(1), n(16), n(0), None, out))
-    if k._sizes is not None:
-        with pytest.raises(LaunchError, match="argument 4 packs to 8 bytes"):
-            k((1,), (256,), (P, n(1), n(1), n(16), np.int64(0), None, out))
-        with pytest.raises(LaunchError, match="6 arguments given"):
-            k((1,), (256,), (P, n(1), n(1), n(16), n(0), None))
     P[:] = cp.arange(16, dtype=cp.float32)
-    k((1,), (256,), (P, n(1), n(1), n(16), n(0), None, out))  # store epilogue: out = bf16(P)
     want = (cp.arange(16, dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
+    cp.cuda.Device().synchronize()  # the capture stream below does not order against the null stream
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:  # the cuLaunchKernelEx path (and its checks) runs only inside a stream capture
+        s.begin_capture()
+        try:
+            with pytest.raises(LaunchError, match="Python int"):
+                k((1,), (256,), (P, 1, n(1), n(16), n(0), None, out))
+            if k._sizes is not None:
+                with pytest.raises(LaunchError, match="argument 4 packs to 8 bytes"):
+                    k((1,), (256,), (P, n(1), n(1), n(16), np.int64(0), None, out))
+                with pytest.raises(LaunchError, match="6 arguments given"):
+                    k((1,), (256,), (P, n(1), n(1), n(16), n(0), None))
+            k((1,), (256,), (P, n(1), n(1), n(16), n(0), None, out))  # store epilogue: out = bf16(P)
+        finally:
+            g = s.end_capture()
+        g.launch(s)
+    s.synchronize()
+    assert cp.array_equal(out, want)
+    out[:] = 0  # outside a capture the same Kernel takes CuPy's launch (eager prefill passes)
+    k((1,), (256,), (P, n(1), n(1), n(16), n(0), None, out))
+    cp.cuda.Device().synchronize()
     assert cp.array_equal(out, want)
