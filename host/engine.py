@@ -101,7 +101,8 @@ class Engine:
         ``executor``: ``megakernel`` | ``graph`` | ``cpu``; None = graph when a GPU is present (the faster of the two
         bit-identical GPU paths, measured), else cpu.
         ``capacity``: tokens per session slot. ``seed``: of the synthetic weights of a preset.
-        Raises ModelLoadError (bad directory, failed validation), ExecutorUnavailable, InvalidArgument.
+        Raises ModelLoadError (bad directory, failed validation), ExecutorUnavailable, InvalidArgument (also for a
+        capacity above the model's context or one whose state does not fit in memory).
         """
         kind = executor or default_kind()
         check_kind(kind)  # before reading any weights
@@ -124,7 +125,20 @@ class Engine:
             template = ChatTemplate.from_checkpoint(model_dir)
         except (CheckpointError, ConfigError, TokenizerError, FileNotFoundError, OSError, ValueError) as e:
             raise ModelLoadError(f"model directory {model_dir}: {e}") from e
-        ex = make_executor(kind, weights, capacity, slots)
+        ctx = weights.config.max_position_embeddings
+        if capacity > ctx:  # as vLLM refuses a max_model_len above the model's context
+            raise InvalidArgument(f"capacity: {capacity} tokens exceeds the model's context of {ctx} "
+                                  f"(max_position_embeddings)")
+        try:
+            ex = make_executor(kind, weights, capacity, slots)
+        except MemoryError as e:  # host (NumPy) state of the CPU executor
+            raise InvalidArgument(f"capacity: the state of {slots} session slot(s) × {capacity} tokens does not fit "
+                                  f"in host memory ({e}); lower --capacity") from e
+        except Exception as e:  # noqa: BLE001 - CuPy's device allocation error, without importing CuPy here
+            if type(e).__name__ == "OutOfMemoryError":
+                raise InvalidArgument(f"capacity: the KV cache and state of {slots} session slot(s) × {capacity} "
+                                      f"tokens do not fit in GPU memory ({e}); lower --capacity") from e
+            raise
         return cls(weights.config, model_dir, weights, tokenizer, template, ex)
 
     # ------------------------------------------------------------------ sessions

@@ -11,7 +11,7 @@ import click
 
 from host.commands.generate import (check_model_args, gen_kwargs, handle_errors, load_engine, model_options,
                                    sampling_options, timing_line)
-from host.errors import GenerationInterrupted
+from host.errors import GenerationInterrupted, PromptTooLong
 
 
 def assistant_message(engine, ids: list[int], text: str, thinking: bool) -> dict:
@@ -60,7 +60,11 @@ def command(system, timings, **kw):
         if not line.strip():
             continue
         turn = messages + [{"role": "user", "content": line}]
-        g = sess.chat(turn, enable_thinking=not kw["no_think"], **gen_kwargs(kw))
+        try:
+            g = sess.chat(turn, enable_thinking=not kw["no_think"], **gen_kwargs(kw))
+        except PromptTooLong as e:  # this turn only: the conversation so far stays usable
+            click.echo(f"error: {e}\n[turn dropped, conversation kept; /reset starts over]", err=True)
+            continue
         try:
             for d in g:
                 click.echo(d.text, nl=False)
@@ -68,6 +72,10 @@ def command(system, timings, **kw):
         except (GenerationInterrupted, KeyboardInterrupt):
             g.close()
             click.echo("\n[interrupted: turn dropped, session kept]", err=True)
+            continue
+        except PromptTooLong as e:
+            g.close()
+            click.echo(f"\nerror: {e}\n[turn dropped, conversation kept; /reset starts over]", err=True)
             continue
         click.echo("")
         if timings:

@@ -13,6 +13,8 @@ import json
 import click
 import numpy as np
 
+from host.commands.generate import handle_errors
+
 
 def compare(preset: str, steps: int, rows: int, context: int = 0, seed: int = 0, time_steps: int = 32) -> dict:
     """Run the comparison; returns {"identical", "first_mismatch", "steps", "rows", "graph_ms_per_step",
@@ -64,12 +66,19 @@ def compare(preset: str, steps: int, rows: int, context: int = 0, seed: int = 0,
 
 @click.command()
 @click.option("--preset", default="tiny", type=click.Choice(["tiny", "qwen3.5-27b"]), show_default=True)
-@click.option("--steps", default=16, show_default=True, help="steps compared bit for bit")
-@click.option("--rows", default=1, show_default=True, help="rows per step (M ≤ 8; M > 1 teacher-forced)")
-@click.option("--context", default=0, show_default=True, help="start position")
+@click.option("--steps", default=16, show_default=True, type=click.IntRange(min=1), help="steps compared bit for bit")
+@click.option("--rows", default=1, show_default=True, type=click.IntRange(1, 8),
+              help="rows per step (M ≤ 8; M > 1 teacher-forced)")
+@click.option("--context", default=0, show_default=True, type=click.IntRange(min=0), help="start position")
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
+@handle_errors
 def command(preset: str, steps: int, rows: int, context: int, as_json: bool) -> None:
     """Graph path vs megakernel: bit identity of every buffer after every step, and ms/token of each."""
+    from host.errors import ExecutorUnavailable
+    from host.executors import gpu_available
+    ok, why = gpu_available()
+    if not ok:
+        raise ExecutorUnavailable(f"compare runs the graph path and the megakernel on a GPU: {why}")
     r = compare(preset, steps, rows, context)
     if as_json:
         click.echo(json.dumps(r))

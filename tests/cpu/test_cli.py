@@ -169,3 +169,28 @@ def test_make_checkpoint_unwritable_destination(tmp_path):
     blocker.write_text("not a directory")
     r = run(["make-checkpoint", "--preset", "tiny", "--out", str(blocker / "ckpt"), "--no-tokenizer"])
     assert r.exit_code != 0 and "cannot write the checkpoint to --out" in r.output and "Traceback" not in r.output
+
+
+def test_chat_turn_longer_than_capacity_keeps_the_chat(fake_engine):
+    """A turn the session cannot hold is refused for that turn only; the next turn still runs (exit 0)."""
+    r = run(["chat", "--capacity", "64", "--max-new-tokens", "2", "--no-think", "--no-timings"],
+            input=" ".join(["word"] * 200) + "\nhi\n/exit\n")
+    assert r.exit_code == 0, r.output
+    assert "error: prompt has" in r.stderr and "[turn dropped, conversation kept" in r.stderr
+    kinds = [c[0] for c in fake_engine[0].executor.calls]
+    assert "step" in kinds  # the second turn generated
+
+
+def test_capacity_above_the_model_context_is_refused(tiny_ckpt):
+    r = run(["generate", "--model", str(tiny_ckpt), "--capacity", str(PRESETS["tiny"].max_position_embeddings + 1),
+             "hi"])
+    assert r.exit_code == InvalidArgument.exit_code and "exceeds the model's context" in r.stderr, r.output
+
+
+def test_compare_refuses_without_gpu_and_checks_flags():
+    assert run(["compare", "--rows", "9"]).exit_code == 2
+    assert run(["compare", "--steps", "0"]).exit_code == 2
+    if gpu_available()[0]:
+        pytest.skip("a GPU is present")
+    r = run(["compare"])
+    assert r.exit_code == ExecutorUnavailable.exit_code and "on a GPU" in r.stderr, r.output
