@@ -161,7 +161,10 @@ class Engine:
                     enable_thinking: bool = True) -> list[int]:
         """Prompt ids of a conversation through the checkpoint's chat template (generation prompt added).
         Raises EmptyPrompt for no messages, InvalidArgument for a malformed conversation."""
-        if not isinstance(messages, (list, tuple)) or not messages:
+        if not isinstance(messages, (list, tuple)):
+            raise InvalidArgument(f"chat: messages must be a list of {{'role': ..., 'content': ...}} dicts, got "
+                                  f"{type(messages).__name__} (for one user turn: [{{'role': 'user', 'content': text}}])")
+        if not messages:
             raise EmptyPrompt("chat: messages is empty; expected a list of {'role': ..., 'content': ...}")
         try:
             text = self.template.render(list(messages), tools=tools, add_generation_prompt=True,

@@ -115,6 +115,8 @@ def command(prompt, raw, as_json, **kw):
     from host.errors import EmptyPrompt
 
     check_model_args(kw)
+    from host.sampling import SamplingParams  # bad sampling flags fail before the model loads (as in chat)
+    SamplingParams(kw["temperature"], kw["top_k"], kw["top_p"], kw["seed"])
     text = read_prompt(prompt)
     if not text.strip():
         raise EmptyPrompt("the prompt is empty")

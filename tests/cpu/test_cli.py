@@ -194,3 +194,17 @@ def test_compare_refuses_without_gpu_and_checks_flags():
         pytest.skip("a GPU is present")
     r = run(["compare"])
     assert r.exit_code == ExecutorUnavailable.exit_code and "on a GPU" in r.stderr, r.output
+
+
+def test_generate_rejects_bad_sampling_before_loading(monkeypatch):
+    import host.commands.generate as gen
+    monkeypatch.setattr(gen, "load_engine", lambda kw: pytest.fail("the model was loaded"))
+    for args in (["--temperature", "-1"], ["--top-p", "0"]):
+        r = run(["generate", *args, "hi"])
+        assert r.exit_code == InvalidArgument.exit_code, (args, r.output)
+
+
+def test_api_chat_with_a_string_names_the_expected_form(fake_engine):
+    run(["generate", "--max-new-tokens", "1", "hi"])  # builds one scripted engine
+    with pytest.raises(InvalidArgument, match="must be a list"):
+        fake_engine[0].render_chat("hello")
