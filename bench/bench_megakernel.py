@@ -22,19 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
 
-from bench.harness import bandwidth, commit, device_meta, result_file  # noqa: E402
-
-
-def _events_ms(stream, fn, n: int) -> float:
-    import cupy as cp
-    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-    e0.record(stream)
-    fn()
-    e1.record(stream)
-    e1.synchronize()
-    return cp.cuda.get_elapsed_time(e0, e1) / n
+from bench.harness import bandwidth, commit, device_meta, events_ms, result_file  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,27 +77,27 @@ def main(argv: list[str] | None = None) -> int:
     res = []
     for _ in range(3):
         ga.replay()
-    g_ms = _events_ms(ga.stream, lambda: [ga.replay() for _ in range(N)], N)
+    g_ms = events_ms(ga.stream, lambda: [ga.replay() for _ in range(N)], N)
     res.append({"name": "graph_step", "shape": shape, "correct": True, "ms": g_ms, **bandwidth(nbytes, g_ms)})
     save = lambda: result_file("megakernel", res, meta, a.out)  # noqa: E731  (after every row: a hang keeps the rest)
     mk.run_steps(2)
-    m_ms = _events_ms(gb.stream, lambda: mk.run_steps(N), N)
+    m_ms = events_ms(gb.stream, lambda: mk.run_steps(N), N)
     mk.check()
     res.append({"name": "megakernel_step_one_launch", "shape": shape, "correct": True, "ms": m_ms, **bandwidth(nbytes, m_ms)})
     save()
     mk3.run_steps(2)
-    s_ms = _events_ms(gb.stream, lambda: mk3.run_steps(N), N)
+    s_ms = events_ms(gb.stream, lambda: mk3.run_steps(N), N)
     mk3.check()
     res.append({"name": "megakernel_step_one_launch_gdn_split1", "shape": shape, "correct": True, "ms": s_ms,
                 **bandwidth(nbytes, s_ms)})
     save()
     mkr.run_steps(2)
-    r_ms = _events_ms(gb.stream, lambda: mkr.run_steps(N), N)
+    r_ms = events_ms(gb.stream, lambda: mkr.run_steps(N), N)
     mkr.check()
     res.append({"name": "megakernel_step_one_launch_reduce_instr", "shape": shape, "correct": True, "ms": r_ms,
                 **bandwidth(nbytes, r_ms), "note": "fuse_reduce=False: GEMV_REDUCE instructions after each split-K op"})
     save()
-    l_ms = _events_ms(gb.stream, lambda: [mk.step() for _ in range(N)], N)
+    l_ms = events_ms(gb.stream, lambda: [mk.step() for _ in range(N)], N)
     mk.check()
     res.append({"name": "megakernel_step_per_launch", "shape": shape, "correct": True, "ms": l_ms, **bandwidth(nbytes, l_ms)})
     save()
@@ -125,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(res, indent=1), flush=True)
     nop = Megakernel(gb, nop=True)
     nop.run_steps(2)
-    n_ms = _events_ms(gb.stream, lambda: nop.run_steps(N), N)
+    n_ms = events_ms(gb.stream, lambda: nop.run_steps(N), N)
     nop.check()
     res.append({"name": "megakernel_nop_floor", "shape": shape, "correct": True, "ms": n_ms, "bytes": 0, "gbps": 0.0,
                 "frac_of_measured_bw": 0.0, "note": "same program, every opcode NOP: fetch + waits + bumps only"})

@@ -22,23 +22,12 @@ from collections import Counter
 
 import numpy as np
 
-from bench.harness import H200_READ_GBPS, replay_times_ms, result_file
+from bench.harness import H200_READ_GBPS, events_ms, replay_times_ms, result_file
 from loader.config import preset
 from loader.synthetic import SyntheticWeights
 
 CATEGORIES = ("embed", "norm", "in_proj", "gdn", "attn", "out_proj", "mlp", "lm_head", "finish")
 FLOOR_STATED_MS = 6.09   # the issue's weight-streaming floor for the 27B
-
-
-def _events(cp, stream, fn, n: int) -> float:
-    """ms of n calls of fn (events around the whole loop) / n."""
-    a, b = cp.cuda.Event(), cp.cuda.Event()
-    a.record(stream)
-    for _ in range(n):
-        fn()
-    b.record(stream)
-    b.synchronize()
-    return cp.cuda.get_elapsed_time(a, b) / n
 
 
 def _median_graph(cp, stream, g, reps: int) -> float:
@@ -85,11 +74,11 @@ def main(argv=None) -> int:
     with s:
         for ctx in a.contexts:
             step.reset(pos=ctx, tokens=(9707,))
-            eager = _events(cp, s, step.run_eager, a.eager_reps)
+            eager = events_ms(s, lambda: [step.run_eager() for _ in range(a.eager_reps)], a.eager_reps)
             step.reset(pos=ctx, tokens=(9707,))
             med = _median_graph(cp, s, step._graph, a.reps)
             step.reset(pos=ctx, tokens=(9707,))
-            loop = _events(cp, s, lambda: step._graph.launch(s), a.reps)
+            loop = events_ms(s, lambda: [step._graph.launch(s) for _ in range(a.reps)], a.reps)
             nbytes = cfg.weight_bytes_per_token + ctx * cfg.kv_bytes_per_token  # bytes the step must read
             r = {"name": "decode step, CUDA graph", "shape": f"{cfg.name} context {ctx}", "M": 1, "ms": round(loop, 4),
                  "bytes": nbytes, "correct": True, "context": ctx, "graph_ms_median": round(med, 4), "graph_ms_loop": round(loop, 4),
@@ -100,7 +89,8 @@ def main(argv=None) -> int:
             cats = {}
             for c in CATEGORIES:
                 g = step.capture_without((c,))
-                cats[c] = round(loop - _events(cp, s, lambda: g.launch(s), max(5, a.reps // 3)), 4)
+                n = max(5, a.reps // 3)
+                cats[c] = round(loop - events_ms(s, lambda g=g: [g.launch(s) for _ in range(n)], n), 4)
                 del g
             r["ms_by_category"] = cats
             print(r, flush=True)

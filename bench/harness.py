@@ -59,6 +59,18 @@ def replay_times_ms(graph, stream, warmup: int = 3, reps: int = 25) -> np.ndarra
     return np.asarray(times)
 
 
+def events_ms(stream, fn, divide_by: int = 1) -> float:
+    """Milliseconds between two CUDA events recorded on ``stream`` around one call of ``fn`` (which enqueues
+    work on it), divided by ``divide_by`` (the steps or replays ``fn`` runs)."""
+    import cupy as cp
+    a, b = cp.cuda.Event(), cp.cuda.Event()
+    a.record(stream)
+    fn()
+    b.record(stream)
+    b.synchronize()
+    return cp.cuda.get_elapsed_time(a, b) / divide_by
+
+
 def bandwidth(nbytes: int, ms: float) -> dict:
     gbps = nbytes / (ms * 1e-3) / 1e9
     return {"bytes": int(nbytes), "gbps": round(gbps, 1), "pct_of_4468": round(100.0 * gbps / H200_READ_GBPS, 2)}

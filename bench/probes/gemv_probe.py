@@ -22,7 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.harness import bandwidth, copies_for, device_meta, time_rotation  # noqa: E402
-from discrete.build import include_dirs, nvrtc_options, translation_unit  # noqa: E402
+from discrete.build import nvrtc_options, translation_unit  # noqa: E402
 from discrete.partition import gemv_slices  # noqa: E402
 from loader.config import preset  # noqa: E402
 

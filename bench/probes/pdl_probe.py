@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.harness import H200_READ_GBPS, bandwidth, replay_times_ms, result_file  # noqa: E402
+from bench.harness import H200_READ_GBPS, bandwidth, events_ms, replay_times_ms, result_file  # noqa: E402
 from loader.config import FIRST_PADDING_ID, preset  # noqa: E402
 from loader.synthetic import SyntheticWeights  # noqa: E402
 
@@ -100,19 +100,8 @@ def check(cfg, w, log, out_dir) -> dict:
     return res
 
 
-def _loop_ms(cp, s, g, n: int) -> float:
-    a, b = cp.cuda.Event(), cp.cuda.Event()
-    a.record(s)
-    for _ in range(n):
-        g.launch(s)
-    b.record(s)
-    b.synchronize()
-    return cp.cuda.get_elapsed_time(a, b) / n
-
-
 def step_timing(cfg, w, reps: int, log) -> list[dict]:
     """Section 2."""
-    import cupy as cp
     from discrete.step import DecodeStep
     cap = CTX + 8 * reps + 256
     variants = {"off": False, "all": True, "gemv": "gemv"}
@@ -132,7 +121,7 @@ def step_timing(cfg, w, reps: int, log) -> list[dict]:
                 st.reset(pos=CTX, tokens=(FIRST_TOKEN,))
                 med = float(np.median(replay_times_ms(st._graph, s, 3, reps)))
                 st.reset(pos=CTX, tokens=(FIRST_TOKEN,))
-                loop = _loop_ms(cp, s, st._graph, reps)
+                loop = events_ms(s, lambda: [st._graph.launch(s) for _ in range(reps)], reps)
             r = {"name": f"decode step, CUDA graph, pdl={name}", "shape": f"{cfg.name} context {CTX}", "M": 1,
                  "round": rnd, "pdl": name, "graph_ms_median": round(med, 4), "graph_ms_loop": round(loop, 4),
                  "ms": round(loop, 4), "bytes": nbytes, "correct": True, "vs_floor": round(loop / floor_ms, 3),
