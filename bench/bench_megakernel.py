@@ -2,8 +2,8 @@
 
 Gate first (STYLE habit 11): two greedy steps of both paths must be bit-identical in every buffer, else nothing
 is timed. Then, with CUDA events: the graph replayed N times; the megakernel running N steps in one launch
-(default program: split-K reduce fused into the GEMV instructions; variants: GDN per key head, and
-``fuse_reduce=False``, the GEMV_REDUCE program); the megakernel one launch per step; the persistent grid driven step by step from the host through mapped
+(default program: GEMV_REDUCE instructions after each split-K op, GEMV weight prefetch before the waits;
+variants: GDN per key head, and ``fuse_reduce=True``, the split-K reduce inside the GEMV instructions); the megakernel one launch per step; the persistent grid driven step by step from the host through mapped
 memory (host round trip included); the NOP program (waits + bumps only: the dependency machinery's floor).
 The weight bytes streamed per token (ModelConfig.weight_bytes_per_token) give the bandwidth column. Writes
 ``bench/results/megakernel.json`` and ``bench/results/megakernel_timings.json`` (per-instruction globaltimer
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from discrete.weights_gpu import WeightsGPU
     from loader.config import preset
     from loader.synthetic import SyntheticWeights
-    from megakernel.runner import Megakernel, compare_steps
+    from megakernel.runner import DEFAULT_FUSE, Megakernel, compare_steps
     from megakernel.timings import collect
 
     cfg, N, ctx = preset(a.preset), a.steps, a.context
@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     gb = DecodeStep(cfg, w, cap, 1, debug_logits=True)
     mk = Megakernel(gb)                # default: GDN per value head
     mk3 = Megakernel(gb, gdn_split=1)  # the program as assembled (GDN per key head)
-    mkr = Megakernel(gb, fuse_reduce=False)  # split-K reduce as separate GEMV_REDUCE instructions
+    mkr = Megakernel(gb, fuse_reduce=not DEFAULT_FUSE)  # the other split-K reduce program
+    rname = "fused_reduce" if mkr.fuse_reduce else "reduce_instr"
     print(f"setup {time.perf_counter() - t0:.1f} s; program {mk.program.stats()}", flush=True)
     for s in (ga, gb):
         s.poison()
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         m.check()
         gate = compare_steps(ga, gb, m.program, 1)
         if gate is not None:
-            gate = (["default", "gdn_split1", "reduce_instr"][k],) + gate
+            gate = (["default", "gdn_split1", rname][k],) + gate
             break
     meta = {"preset": a.preset, "context": ctx, "timed_steps": N, "num_sms": mk.num_sms, "threads": mk.threads,
             "smem_bytes": mk.smem, "gate_identical": gate is None, "gate_first_mismatch": gate,
@@ -94,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     mkr.run_steps(2)
     r_ms = events_ms(gb.stream, lambda: mkr.run_steps(N), N)
     mkr.check()
-    res.append({"name": "megakernel_step_one_launch_reduce_instr", "shape": shape, "correct": True, "ms": r_ms,
-                **bandwidth(nbytes, r_ms), "note": "fuse_reduce=False: GEMV_REDUCE instructions after each split-K op"})
+    res.append({"name": f"megakernel_step_one_launch_{rname}", "shape": shape, "correct": True, "ms": r_ms,
+                **bandwidth(nbytes, r_ms), "note": f"fuse_reduce={mkr.fuse_reduce} (the default program's other "
+                "split-K reduce: in the GEMV instructions / as GEMV_REDUCE instructions)"})
     save()
     l_ms = events_ms(gb.stream, lambda: [mk.step() for _ in range(N)], N)
     mk.check()

@@ -7,7 +7,8 @@
 //
 // Block size = MX_GDN_THREADS = MX_ATT_THREADS (the block-level GDN / attention functions assume it); GEMV work is
 // per warp (a 16-row tile), so its results do not depend on the warp count.
-// Dynamic shared memory: [normed x: MAX_ROWS × HIDDEN bf16 | MkSmemTail]; mk_layout reports the size.
+// Dynamic shared memory: [normed x: MAX_ROWS × HIDDEN bf16 | MkSmemTail | GEMV weight rings]; mk_layout reports
+// the size.
 // qmk: defines megakernel.runner:compile_defines
 #include "lm_head.cuh"
 #include "gdn.cuh"
@@ -42,6 +43,17 @@ struct MkSmemTail {
 #ifndef QMK_MK_RING
 #define QMK_MK_RING 0  // GEMV weight ring slots per warp (gemv.cuh qmk_gemv_tile_ring); 0: register-ring tile
 #endif
+#ifndef QMK_MK_FUSE_REDUCE
+// build the fused split-K reduce into mk_gemv (only the fuse_reduce program needs it: the branch alone cost the
+// other program 0.57 ms/token, measured, docs/megakernel.md)
+#define QMK_MK_FUSE_REDUCE 1
+#endif
+#ifndef QMK_MK_PREFETCH
+#define QMK_MK_PREFETCH 0  // 1: a GEMV issues its first RING - 1 ring units per warp before waiting for its input
+#endif
+#if QMK_MK_PREFETCH && QMK_MK_RING < 2
+#error "QMK_MK_PREFETCH needs the shared-memory weight ring (QMK_MK_RING >= 2)"
+#endif
 #define MK_RING_OFF ((MK_XN_BYTES + sizeof(MkSmemTail) + 127) / 128 * 128)
 #define MK_SMEM_BYTES (MK_RING_OFF + MK_WARPS * QMK_MK_RING * QMK_GEMV_UNIT_BYTES)
 #ifdef QMK_MK_SMEM_LIMIT
@@ -65,21 +77,41 @@ __device__ __forceinline__ int mk_pos(const MkParams& P) {
 }
 
 // One 16-row tile of weight W (fp8 block-scaled or bf16) over K-blocks [kb0, kb1): the shared gemv.cuh tile
-// (with QMK_MK_RING ≥ 2 its cp.async shared-memory ring variant, bit-identical; this warp's ring at `ring`).
+// (with QMK_MK_RING ≥ 2 its cp.async shared-memory ring variant, bit-identical; this warp's ring at `ring`;
+// issued: mk_gemv_prefetch already started this tile's first units).
 __device__ __forceinline__ void mk_tile(float (&acc)[4], const MkWeight& W, const qmk_u16* x, int M, int row0,
-                                        int kb0, int kb1, qmk_u32 ring) {
+                                        int kb0, int kb1, qmk_u32 ring, bool issued = false) {
 #if QMK_MK_RING >= 2
   if (W.fp8)
     qmk_gemv_tile_ring<QMK_W_FP8>(acc, (const void*)W.ptr, (const qmk_u16*)W.scale, x, M, W.cols, row0, kb0, kb1,
-                                  ring, QMK_MK_RING);
+                                  ring, QMK_MK_RING, issued);
   else
-    qmk_gemv_tile_ring<QMK_W_BF16>(acc, (const void*)W.ptr, nullptr, x, M, W.cols, row0, kb0, kb1, ring, QMK_MK_RING);
+    qmk_gemv_tile_ring<QMK_W_BF16>(acc, (const void*)W.ptr, nullptr, x, M, W.cols, row0, kb0, kb1, ring, QMK_MK_RING,
+                                   issued);
 #else
-  (void)ring;
+  (void)ring; (void)issued;
   if (W.fp8)
     qmk_gemv_tile<QMK_W_FP8>(acc, (const void*)W.ptr, (const qmk_u16*)W.scale, x, M, W.cols, row0, kb0, kb1);
   else
     qmk_gemv_tile<QMK_W_BF16>(acc, (const void*)W.ptr, nullptr, x, M, W.cols, row0, kb0, kb1);
+#endif
+}
+
+// The first tile this warp's mk_gemv runs (row0 = r0 + 16·warp; K-blocks of split s, or all of them for S = 1):
+// its first QMK_MK_RING - 1 weight units into the warp's ring, before the instruction's waits (weights never
+// depend on them). Returns whether it issued (this warp has a tile); mk_gemv then skips that tile's prologue.
+__device__ __forceinline__ bool mk_gemv_prefetch(const MkParams& P, const int* w, qmk_u32 ring) {
+#if QMK_MK_PREFETCH
+  const int warp = threadIdx.x >> 5, r0 = w[QMK_F_ROW_START], r1 = w[QMK_F_ROW_END];
+  if (warp >= (r1 - r0) / QMK_ROW_TILE) return false;
+  const MkWeight W = reinterpret_cast<const MkWeight*>(P.weights)[w[QMK_F_W0]];
+  const int S = w[QMK_F_NSPLIT], per = (W.cols / QMK_KBLK) / S, kb0 = w[QMK_F_SPLIT] * per;
+  if (W.fp8) qmk_gemv_ring_prologue<QMK_W_FP8>((const void*)W.ptr, W.cols, r0 + warp * QMK_ROW_TILE, kb0, kb0 + per, ring, QMK_MK_RING);
+  else qmk_gemv_ring_prologue<QMK_W_BF16>((const void*)W.ptr, W.cols, r0 + warp * QMK_ROW_TILE, kb0, kb0 + per, ring, QMK_MK_RING);
+  return true;
+#else
+  (void)P; (void)w; (void)ring;
+  return false;
 #endif
 }
 
@@ -93,7 +125,8 @@ __device__ __forceinline__ void mk_tile(float (&acc)[4], const MkWeight& W, cons
 // partial stores → __syncwarp + fence.acq_rel.gpu + atomicAdd (release); the last arriver's fence (acquire)
 // → its reads; the block's bump after the instruction releases the tile outputs to the consumers.
 // nsplit == 1: the epilogue straight into buf1.
-__device__ void mk_gemv(const MkParams& P, const int* w, qmk_u16* xn, MkSmemTail& sm, qmk_u32 ring) {
+// issued: mk_gemv_prefetch started this warp's first tile.
+__device__ void mk_gemv(const MkParams& P, const int* w, qmk_u16* xn, MkSmemTail& sm, qmk_u32 ring, bool issued) {
   const int sub = w[QMK_F_SUB], pro = sub & 15, epi = (sub >> 4) & 15;
   const int M = w[QMK_F_M], r0 = w[QMK_F_ROW_START], r1 = w[QMK_F_ROW_END];
   const int s = w[QMK_F_SPLIT], S = w[QMK_F_NSPLIT];
@@ -117,14 +150,19 @@ __device__ void mk_gemv(const MkParams& P, const int* w, qmk_u16* xn, MkSmemTail
   const int tiles = (r1 - r0) / QMK_ROW_TILE;
   if (S > 1) {
     float* part = mk_buf<float>(P, w[QMK_F_BUF3]);
+#if QMK_MK_FUSE_REDUCE
     const bool fused = (sub & QMK_SUB_FUSE_REDUCE) != 0;
+#else
+    constexpr bool fused = false;  // the fused tail compiled out (runner: fuse_reduce=False builds)
+    if ((sub & QMK_SUB_FUSE_REDUCE) != 0 && threadIdx.x == 0) mk_fail(P, MK_ERR_FUSED, w[QMK_F_OP]);
+#endif
     unsigned int* arrive = reinterpret_cast<unsigned int*>(part + (size_t)S * M * N);  // [N / 16], after the partials
     qmk_u16* out = fused ? mk_buf<qmk_u16>(P, w[QMK_F_BUF1]) : nullptr;
     const qmk_u16* resid = fused && epi == QMK_EPI_RESIDUAL ? mk_buf<const qmk_u16>(P, w[QMK_F_BUF2]) : nullptr;
     for (int t = warp; t < tiles; t += MK_WARPS) {
       const int row0 = r0 + t * QMK_ROW_TILE;
       float acc[4];
-      mk_tile(acc, W, x, M, row0, kb0, kb1, ring);
+      mk_tile(acc, W, x, M, row0, kb0, kb1, ring, issued && t == warp);
       qmk_gemv_store_partial(acc, part, M, N, s, row0);
       if (fused) qmk_gemv_finish_tile(part, S, M, N, epi, row0 / QMK_ROW_TILE, arrive, resid, out);
       if (epi == QMK_EPI_SWIGLU) {
@@ -146,7 +184,7 @@ __device__ void mk_gemv(const MkParams& P, const int* w, qmk_u16* xn, MkSmemTail
     if (t < tiles) {
       const int row0 = r0 + t * QMK_ROW_TILE;
       float acc[4];
-      mk_tile(acc, W, x, M, row0, 0, K / QMK_KBLK, ring);
+      mk_tile(acc, W, x, M, row0, 0, K / QMK_KBLK, ring, issued && base == 0);
       qmk_gemv_store_partial(acc, ep, M, 2 * MK_EP_ROWS, 0, warp * QMK_ROW_TILE);
       if (epi == QMK_EPI_SWIGLU) {
         mk_tile(acc, W, x, M, F + row0, 0, K / QMK_KBLK, ring);
@@ -381,6 +419,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_main(const MkPara
       // prefetch the next instruction's words while this one runs
       if (threadIdx.x < QMK_ISA_WORDS && j + 1 < len) next = prog[(size_t)(j + 1) * QMK_ISA_WORDS + threadIdx.x];
       const int* w = sm.words;
+      const bool issued = w[QMK_F_OPCODE] == QMK_OP_GEMV && mk_gemv_prefetch(P, w, ring);
       mk_wait_all(P, w, step);
 #ifdef QMK_MK_TIMING
       uint64_t t1 = 0;
@@ -389,7 +428,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_main(const MkPara
       switch (w[QMK_F_OPCODE]) {
         case QMK_OP_NOP: break;
         case QMK_OP_EMBED: mk_embed(P, w); break;
-        case QMK_OP_GEMV: mk_gemv(P, w, xn, sm, ring); break;
+        case QMK_OP_GEMV: mk_gemv(P, w, xn, sm, ring, issued); break;
         case QMK_OP_GEMV_REDUCE: mk_gemv_reduce(P, w); break;
         case QMK_OP_GDN_STEP: mk_gdn(P, w, xn, sm); break;
         case QMK_OP_ATTN_PREP: mk_attn_prep(P, w); break;

@@ -32,8 +32,12 @@ MK_DIR = Path(__file__).resolve().parent
 SOURCE = MK_DIR / "megakernel.cu"
 COUNTER_SEED = 0xFFFFFF00  # counters start near the uint32 wrap: the wait arithmetic must be wrap-safe
 SMEM_LIMIT = 232448  # dynamic shared memory per block on sm_90 (227 KB)
-RING_MAX = 6         # GEMV ring slots per warp at most (gemv.cuh supports ≤ 8)
-ERRORS = {1: "unknown opcode", 2: "unsupported GEMV prologue (MTP concat)", 3: "bad row range"}
+RING_MAX = 3         # GEMV ring slots per warp at most (gemv.cuh supports ≤ 8; 6 measured 2 ms slower, session 3)
+DEFAULT_FUSE = False  # Megakernel's default program: GEMV_REDUCE instructions (the fused tail measured slower)
+PREFETCH = 1         # QMK_MK_PREFETCH: a GEMV issues its first RING - 1 ring units before waiting for its input
+ERRORS = {1: "unknown opcode", 2: "unsupported GEMV prologue (MTP concat)",
+          3: "bad row range",
+          4: "fused split-K reduce in the program, but the module was built without it"}
 
 _P = [(n, "<u8") for n in ("prog", "lens", "counters", "bufs", "weights", "layers", "embed", "ctrl", "page_table",
                            "inv_freq", "host", "mirror", "timing")]
@@ -52,16 +56,20 @@ def _mk_sources_hash() -> str:
     return h.hexdigest()[:12]
 
 
-def compile_defines(cfg: ModelConfig) -> dict:
-    """The build the offline compile check (``// qmk: defines``) verifies. The ``QMK_MK_TIMING`` build is left
-    out to keep CI short (checked by hand: ``compile_check`` with ``mk_defines(cfg, timing=True)``)."""
-    return mk_defines(cfg)
+def compile_defines(cfg: ModelConfig) -> list[dict]:
+    """The builds the offline compile check (``// qmk: defines``) verifies: the fused-reduce tail built in or
+    not. The ``QMK_MK_TIMING`` build is left out to keep CI short (checked by hand: ``compile_check`` with
+    ``mk_defines(cfg, timing=True)``)."""
+    return [mk_defines(cfg, fuse_reduce=f) for f in (False, True)]
 
 
-def mk_defines(cfg: ModelConfig, timing: bool = False, extra: dict | None = None) -> dict:
+def mk_defines(cfg: ModelConfig, timing: bool = False, extra: dict | None = None,
+               fuse_reduce: bool = DEFAULT_FUSE) -> dict:
     """Extra ``QMK_*`` defines of megakernel.cu: the numerics macros of gdn.cuh / attention.cuh (from their
     launchers, so both paths compile the same code), the MkParams layout offsets (checked by static_assert),
-    and a hash of the megakernel sources (so an edited header never reuses a stale cached module)."""
+    and a hash of the megakernel sources (so an edited header never reuses a stale cached module). Build
+    knobs that never change a result: ``fuse_reduce`` (whether the fused split-K tail is compiled into the
+    GEMV instruction; a program that uses it needs it), ring depth and GEMV prefetch (``extra`` overrides)."""
     from discrete import attention, gdn
     d = {**gdn.extra_defines(cfg), **attention.extra_defines(cfg)}
     d.update({"QMK_MKP_SIZE": PARAMS_DTYPE.itemsize, "QMK_MKP_OFF_PAGE_STRIDE": PARAMS_DTYPE.fields["page_stride"][1],
@@ -70,15 +78,20 @@ def mk_defines(cfg: ModelConfig, timing: bool = False, extra: dict | None = None
               "QMK_MK_SRC": "0x" + _mk_sources_hash()})
     d["QMK_MK_SMEM_LIMIT"] = SMEM_LIMIT
     d["QMK_MK_RING"] = ring_slots(cfg)
+    d["QMK_MK_FUSE_REDUCE"] = int(bool(fuse_reduce))
+    d["QMK_MK_PREFETCH"] = PREFETCH
     if timing:
         d["QMK_MK_TIMING"] = 1
     d.update(extra or {})  # build knobs (e.g. QMK_MK_RING); results never depend on them
+    if d.get("QMK_MK_RING", 0) < 2:
+        d["QMK_MK_PREFETCH"] = 0  # the prefetch fills the shared-memory ring
     return d
 
 
 def ring_slots(cfg: ModelConfig) -> int:
-    """GEMV weight-ring slots per warp (2 KB each, 16 warps) that fit beside the normed-input buffer and the
-    union scratch in SMEM_LIMIT (an upper estimate of the scratch; the kernel static_asserts the total)."""
+    """GEMV weight-ring slots per warp (2 KB each, 16 warps), at most RING_MAX, that fit beside the normed-input
+    buffer and the union scratch in SMEM_LIMIT (an upper estimate of the scratch; the kernel static_asserts the
+    total)."""
     nkb = cfg.hidden_size // 128
     gdn = 2 * MAX_ROWS * 128 * 4 * 2 + MAX_ROWS * 2 * nkb * 4 + 64 + MAX_ROWS * 128 * 4
     att = MAX_ROWS * cfg.gqa_group * 4 * 2 + cfg.gqa_group * cfg.head_dim * 8 + 2 * cfg.gqa_group * 256 * 2
@@ -87,7 +100,8 @@ def ring_slots(cfg: ModelConfig) -> int:
 
 
 @functools.lru_cache(maxsize=16)
-def build_program(cfg: ModelConfig, m: int, num_sms: int, layer_limit: int | None = None, fuse_reduce: bool = True):
+def build_program(cfg: ModelConfig, m: int, num_sms: int, layer_limit: int | None = None,
+                  fuse_reduce: bool = DEFAULT_FUSE):
     """The assembled program of ``verify_graph(cfg, m, layer_limit)`` for ``num_sms`` SMs (cached per process:
     the 27B schedule takes seconds; callers never modify it)."""
     return schedule(verify_graph(cfg, m, layer_limit), num_sms, fuse_reduce)
@@ -187,13 +201,13 @@ def stage_lengths(prog, stop_after: int | None) -> np.ndarray:
     return out
 
 
-def _load(cfg: ModelConfig, timing: bool, extra: dict | None = None):
+def _load(cfg: ModelConfig, timing: bool, extra: dict | None = None, fuse_reduce: bool = DEFAULT_FUSE):
     """The cooperative megakernel module (discrete.build.load_module). The generated isa.h / control.h include
     <cuda/std/cstdint>; should this NVRTC not find it on its own, compile once more with CuPy's bundled CCCL
     include directories added (same source text, so the same code)."""
     from discrete.build import load_module
     try:
-        mod = load_module(cfg, [str(SOURCE)], mk_defines(cfg, timing, extra), cooperative=True)
+        mod = load_module(cfg, [str(SOURCE)], mk_defines(cfg, timing, extra, fuse_reduce), cooperative=True)
         mod.compile()
         return mod
     except Exception as e:
@@ -203,7 +217,7 @@ def _load(cfg: ModelConfig, timing: bool, extra: dict | None = None):
         from cupy._core.core import _get_cccl_include_options
         from discrete.build import nvrtc_options, translation_unit
         print(f"megakernel: NVRTC did not find <cuda/std/...>; retrying with CuPy's CCCL includes", file=sys.stderr)
-        code = translation_unit(cfg, [str(SOURCE)], mk_defines(cfg, timing, extra))
+        code = translation_unit(cfg, [str(SOURCE)], mk_defines(cfg, timing, extra, fuse_reduce))
         mod = cupy.RawModule(code=code, options=nvrtc_options() + tuple(_get_cccl_include_options()),
                              backend="nvrtc", enable_cooperative_groups=True)
         mod.compile()
@@ -221,7 +235,7 @@ class Megakernel:
     def __init__(self, decode_step, num_sms: int | None = None, *, m_rows: int | None = None,
                  layer_limit: int | None = None, stop_after: int | None = None, nop: bool = False,
                  timing: bool = False, drop_wait=None, delay_op: int = -1, delay_ns: int = 0,
-                 gdn_split: int | None = None, defines: dict | None = None, fuse_reduce: bool = True):
+                 gdn_split: int | None = None, defines: dict | None = None, fuse_reduce: bool = DEFAULT_FUSE):
         import cupy as cp
         self.ds, self.cfg = decode_step, decode_step.cfg
         cfg = self.cfg
@@ -255,7 +269,7 @@ class Megakernel:
         self.steps_done = 0
         self.persistent_stream = None
         # module, layout probe, occupancy
-        mod = _load(cfg, timing, defines)
+        mod = _load(cfg, timing, defines, self.fuse_reduce)
         self.kernel = mod.get_function("mk_main")
         probe = cp.zeros(8, cp.int64)
         mod.get_function("mk_layout")((1,), (32,), (probe,))
@@ -586,8 +600,9 @@ def warm_jobs(preset: str) -> list[tuple]:
     from discrete.step import control_defines
     from loader.config import preset as get_preset
     cfg = get_preset(preset)
-    return [(preset, [str(SOURCE)], mk_defines(cfg), True), (preset, [str(SOURCE)], mk_defines(cfg, True), True),
-            (preset, ["gemv.cu"], None, False), (preset, ["lm_head.cu"], {"QMK_TOPK": TOPK, **DEFAULT_DEFINES}, False),
+    mk = [(preset, [str(SOURCE)], {"fuse_reduce": f, "timing": t}, True)
+          for f, t in ((True, False), (False, False), (DEFAULT_FUSE, True))]
+    return mk + [(preset, ["gemv.cu"], None, False), (preset, ["lm_head.cu"], {"QMK_TOPK": TOPK, **DEFAULT_DEFINES}, False),
             (preset, ["embed.cu"], None, False), (preset, ["gdn.cu"], gdn.extra_defines(cfg), False),
             (preset, ["attention.cu"], attention.extra_defines(cfg), False),
             (preset, ["finish.cu"], control_defines(), False), (preset, ["hashgen.cu"], None, False)]
@@ -599,20 +614,21 @@ def _warm_one(job) -> str:
     from loader.config import preset as get_preset
     t = time.perf_counter()
     try:
-        if job[3]:
-            _load(get_preset(job[0]), "QMK_MK_TIMING" in job[2])
+        if job[3]:  # the megakernel: job[2] = _load's knobs
+            _load(get_preset(job[0]), job[2]["timing"], job[2].get("extra"), job[2]["fuse_reduce"])
         else:
             load_module(get_preset(job[0]), job[1], job[2]).compile()
-        return f"{job[0]} {Path(job[1][0]).name} {'timing ' if job[2] and 'QMK_MK_TIMING' in job[2] else ''}" \
+        return f"{job[0]} {Path(job[1][0]).name} {job[2] if job[3] else ''} " \
                f"{time.perf_counter() - t:.1f} s"
     except Exception as e:  # report, never stop the others
         return f"{job[0]} {job[1]}: FAILED {type(e).__name__}: {str(e)[:2000]}"
 
 
-def warm(presets: list[str], workers: int = 16) -> None:
-    """Compile every module of ``presets`` in parallel processes, filling CuPy's on-disk kernel cache."""
+def warm(presets: list[str], workers: int = 16, jobs: list | None = None) -> None:
+    """Compile every module of ``presets`` (or the given ``warm_jobs``-style jobs) in parallel processes,
+    filling CuPy's on-disk kernel cache."""
     from concurrent.futures import ProcessPoolExecutor
-    jobs = [j for p in presets for j in warm_jobs(p)]
+    jobs = jobs if jobs is not None else [j for p in presets for j in warm_jobs(p)]
     with ProcessPoolExecutor(min(workers, len(jobs))) as ex:
         for line in ex.map(_warm_one, jobs):
             print("warm:", line, flush=True)

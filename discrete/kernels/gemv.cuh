@@ -277,13 +277,33 @@ __device__ __forceinline__ void qmk_gemv_issue_unit(qmk_u32 dst, const qmk_u8* r
     qmk_cp_async16(dst + 1536, p + row8 + 64);
 }
 
+// The ring's prologue: start the copies of the tile's first R-1 units into slots 0..R-2 (one cp.async group
+// each, empty past the end). It reads only the weights, never the activation, so the megakernel issues it
+// before waiting for the GEMV's input (article Part 6: weight streaming overlaps the dependency wait).
+template <int WK>
+__device__ __forceinline__ void qmk_gemv_ring_prologue(const void* W, int K, int row0, int kb0, int kb1, qmk_u32 ring,
+                                                       int R) {
+    constexpr int UPK = QmkGemvTraits<WK>::UPK;
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const size_t rowbytes = (size_t)K * QmkGemvTraits<WK>::ESIZE;
+    const qmk_u8* rowg = (const qmk_u8*)W + (size_t)(row0 + g) * rowbytes;
+    const int u0 = kb0 * UPK, u1 = kb1 * UPK;
+    for (int i = 0; i < R - 1; ++i) {
+        if (u0 + i < u1) qmk_gemv_issue_unit<WK>(ring + 16 * lane + i * QMK_GEMV_UNIT_BYTES, rowg, 8 * rowbytes, u0 + i, c);
+        qmk_cp_async_commit();
+    }
+}
+
 // qmk_gemv_tile with the weight units in a ring of R (2..8) slots at shared address ring (this warp's
 // R · 2 KB, 16-byte aligned). One cp.async group is committed per unit (empty past the end), so waiting for
-// ≤ R-1 pending groups means unit u has landed. Results are bit-identical to qmk_gemv_tile.
+// ≤ R-1 pending groups means unit u has landed. Results are bit-identical to qmk_gemv_tile. issued: the
+// caller already ran qmk_gemv_ring_prologue for this tile (same arguments; nothing else of this thread in
+// flight). (A variant that tracked the issued count to decouple the prefetch depth from the steady-state lead
+// measured 0.5-1 ms/token slower in the megakernel, session 3: bench/probes/mk_variants.py.)
 template <int WK>
 __device__ __forceinline__ void qmk_gemv_tile_ring(float (&acc)[4], const void* W, const qmk_u16* scale,
                                                    const qmk_u16* x, int M, int K, int row0, int kb0, int kb1,
-                                                   qmk_u32 ring, int R) {
+                                                   qmk_u32 ring, int R, bool issued = false) {
     constexpr int UPK = QmkGemvTraits<WK>::UPK;
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const size_t rowbytes = (size_t)K * QmkGemvTraits<WK>::ESIZE;
@@ -295,10 +315,7 @@ __device__ __forceinline__ void qmk_gemv_tile_ring(float (&acc)[4], const void* 
     const qmk_u32 mine = ring + 16 * lane;
     acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
     const int u0 = kb0 * UPK, u1 = kb1 * UPK;
-    for (int i = 0; i < R - 1; ++i) {
-        if (u0 + i < u1) qmk_gemv_issue_unit<WK>(mine + i * QMK_GEMV_UNIT_BYTES, rowg, row8, u0 + i, c);
-        qmk_cp_async_commit();
-    }
+    if (!issued) qmk_gemv_ring_prologue<WK>(W, K, row0, kb0, kb1, ring, R);
     float d[4];
     int slot = 0, slot_next = R - 1;  // ring slots of units u and u + R - 1
     for (int u = u0; u < u1; ++u) {

@@ -17,13 +17,15 @@ from loader.config import PRESETS, preset
 @click.option("--layer-limit", type=click.IntRange(min=0), default=None, help="keep only the first L layers")
 @click.option("--rows", type=click.IntRange(1, 8), default=1, show_default=True, help="M rows (verify step when > 1)")
 @click.option("--kind", type=click.Choice(["decode", "mtp"]), default="decode", show_default=True)
+@click.option("--fuse-reduce/--no-fuse-reduce", default=None,
+              help="split-K reduce inside the GEMV instructions (default: the megakernel's default program)")
 @click.option("--verify/--no-verify", "check", default=False, help="also run the static verifier (slow for the 27B)")
 @click.option("--timings", is_flag=True, help="run the program on the GPU with per-instruction timing slots "
               "(QMK_MK_TIMING build) and print them as JSON")
 @click.option("--context", type=click.IntRange(min=0), default=0, show_default=True,
               help="with --timings: start position; otherwise the KV context whose attention bytes the stats add")
-def command(preset_name: str, sms: int, fmt: str, layer_limit: int | None, rows: int, kind: str, check: bool,
-            timings: bool, context: int) -> None:
+def command(preset_name: str, sms: int, fmt: str, layer_limit: int | None, rows: int, kind: str,
+            fuse_reduce: bool | None, check: bool, timings: bool, context: int) -> None:
     """Print the instruction program of one step and its stats (bytes per SM, imbalance, waits, critical path)."""
     if timings:
         from host.executors import gpu_available
@@ -40,7 +42,10 @@ def command(preset_name: str, sms: int, fmt: str, layer_limit: int | None, rows:
     if layer_limit is not None and layer_limit > cfg.num_hidden_layers:
         raise click.BadParameter(f"{layer_limit} > num_hidden_layers ({cfg.num_hidden_layers})", param_hint="--layer-limit")
     g = mtp_graph(cfg, rows) if kind == "mtp" else verify_graph(cfg, rows, layer_limit)
-    prog = schedule(g, sms)
+    if fuse_reduce is None:
+        from megakernel.runner import DEFAULT_FUSE
+        fuse_reduce = DEFAULT_FUSE
+    prog = schedule(g, sms, fuse_reduce)
     st = prog.stats(kv_context=context)
     if check:
         from assembler.verify import verify

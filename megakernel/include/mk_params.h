@@ -54,3 +54,4 @@ static_assert(sizeof(MkWeight) == QMK_MKW_SIZE && sizeof(MkLayer) == QMK_MKL_SIZ
 #define MK_ERR_OPCODE 1
 #define MK_ERR_PROLOGUE 2
 #define MK_ERR_ROWS 3
+#define MK_ERR_FUSED 4

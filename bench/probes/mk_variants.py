@@ -1,0 +1,109 @@
+"""Megakernel build variants on the H200 (issue 7): which GEMV build knobs make the 27B step fastest?
+``python3 -m bench.probes.mk_variants [--out DIR] [--steps 20] [--rounds 3]`` (device; JSON to --out).
+
+Knobs (none changes a result; each variant is gated bit-identical to the graph path before it is timed):
+``fuse_reduce`` (program: split-K reduce in the GEMV instructions or GEMV_REDUCE instructions),
+``QMK_MK_FUSE_REDUCE`` (fused tail compiled into mk_gemv or not), ``QMK_MK_RING`` (ring slots per warp),
+``QMK_MK_PREFETCH`` (a GEMV issues its first RING - 1 ring units per warp before waiting for its input).
+Results of the session-3 runs (deeper rings, a one-row normed-input buffer, a decoupled prefetch depth) are
+in docs/megakernel.md.
+
+Method: 27B synthetic weights, context 1024; all modules compiled first in parallel processes; per variant one
+gate step (graph replay vs one megakernel step, every buffer bit-identical: megakernel.runner.compare_steps),
+then ``--rounds`` rounds, each timing the graph (N replays) and every variant (one launch of N steps) with CUDA
+events, interleaved so drift shows as a round-to-round difference. Writes ``mk_variants.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.harness import bandwidth, events_ms, result_file  # noqa: E402
+
+PRESET, CTX = "qwen3.5-27b", 1024
+
+
+def variants() -> list[tuple[str, bool, dict]]:
+    """(name, fuse_reduce, extra defines) in timing order; the first is session 2's default build."""
+    r3 = {"QMK_MK_RING": 3, "QMK_MK_FUSE_REDUCE": 0}
+    return [
+        ("s2_default_fused_r3", True, {"QMK_MK_RING": 3, "QMK_MK_FUSE_REDUCE": 1, "QMK_MK_PREFETCH": 0}),
+        ("reduce_instr_r3", False, {**r3, "QMK_MK_PREFETCH": 0}),
+        ("reduce_instr_r3_prefetch", False, {**r3, "QMK_MK_PREFETCH": 1}),
+        ("reduce_instr_r2_prefetch", False, {**r3, "QMK_MK_RING": 2, "QMK_MK_PREFETCH": 1}),
+        ("fused_r3_prefetch", True, {"QMK_MK_RING": 3, "QMK_MK_FUSE_REDUCE": 1, "QMK_MK_PREFETCH": 1}),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", default=None, help="comma-separated variant names")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    from discrete.step import DecodeStep
+    from discrete.weights_gpu import WeightsGPU
+    from loader.config import preset
+    from loader.synthetic import SyntheticWeights
+    from megakernel import runner
+    from megakernel.runner import Megakernel, compare_steps
+
+    vs = variants()
+    if a.only:
+        keep = set(a.only.split(","))
+        vs = [v for v in vs if v[0] in keep]
+    t0 = time.perf_counter()
+    runner.warm([], jobs=[(PRESET, [str(runner.SOURCE)], {"fuse_reduce": f, "timing": False, "extra": x}, True)
+                          for _, f, x in vs])
+    print(f"compiled {len(vs)} variants in {time.perf_counter() - t0:.1f} s", flush=True)
+    cfg, N = preset(PRESET), a.steps
+    w = WeightsGPU.from_synthetic(SyntheticWeights(cfg, 0))
+    cap = CTX + N * (a.rounds * len(vs) + 4) + 64
+    ga = DecodeStep(cfg, w, cap, 1, debug_logits=True)
+    gb = DecodeStep(cfg, w, cap, 1, debug_logits=True)
+    mks = [(name, Megakernel(gb, fuse_reduce=f, defines=x)) for name, f, x in vs]
+    for s in (ga, gb):
+        s.poison()
+        s.reset(CTX, [1000])
+    ga.capture()
+    meta = {"preset": PRESET, "context": CTX, "timed_steps": N, "rounds": a.rounds,
+            "variants": {n: {"fuse_reduce": f, "defines": x} for n, f, x in vs},
+            "smem": {n: m.smem for n, m in mks},
+            "method": "gate: one step per variant, every buffer bit-identical to the graph path; then per round "
+                      "CUDA events around N graph replays and around one N-step launch of each variant"}
+    res = []
+    for name, m in mks:
+        ga.replay()
+        m.step()
+        m.check()
+        bad = compare_steps(ga, gb, m.program, 1)
+        res.append({"name": f"gate_{name}", "shape": f"{PRESET} ctx{CTX}", "correct": bad is None,
+                    "first_mismatch": None if bad is None else list(map(str, bad))})
+        print(res[-1], flush=True)
+        if bad is not None:
+            result_file("mk_variants", res, meta, a.out)
+            return 1
+    nbytes = cfg.weight_bytes_per_token
+    for r in range(a.rounds):
+        g_ms = events_ms(ga.stream, lambda: [ga.replay() for _ in range(N)], N)
+        res.append({"name": "graph", "round": r, "shape": f"{PRESET} ctx{CTX} M=1", "correct": True, "ms": g_ms,
+                    **bandwidth(nbytes, g_ms)})
+        print(f"round {r} graph {g_ms:.3f} ms", flush=True)
+        for name, m in mks:
+            m.run_steps(1)
+            ms = events_ms(gb.stream, lambda: m.run_steps(N), N)
+            m.check()
+            res.append({"name": name, "round": r, "shape": f"{PRESET} ctx{CTX} M=1", "correct": True, "ms": ms,
+                        **bandwidth(nbytes, ms)})
+            print(f"round {r} {name} {ms:.3f} ms", flush=True)
+        result_file("mk_variants", res, meta, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
