@@ -76,29 +76,29 @@ def main(argv: list[str] | None = None) -> int:
             "smem": {n: m.smem for n, m in mks},
             "method": "gate: one step per variant, every buffer bit-identical to the graph path; then per round "
                       "CUDA events around N graph replays and around one N-step launch of each variant"}
-    res = []
+    res, meta["gates"] = [], []
     for name, m in mks:
         ga.replay()
         m.step()
         m.check()
         bad = compare_steps(ga, gb, m.program, 1)
-        res.append({"name": f"gate_{name}", "shape": f"{PRESET} ctx{CTX}", "correct": bad is None,
-                    "first_mismatch": None if bad is None else list(map(str, bad))})
-        print(res[-1], flush=True)
+        meta["gates"].append({"name": name, "identical": bad is None,
+                              "first_mismatch": None if bad is None else list(map(str, bad))})
+        print(meta["gates"][-1], flush=True)
         if bad is not None:
-            result_file("mk_variants", res, meta, a.out)
+            result_file("mk_variants", [], meta, a.out)
             return 1
     nbytes = cfg.weight_bytes_per_token
     for r in range(a.rounds):
         g_ms = events_ms(ga.stream, lambda: [ga.replay() for _ in range(N)], N)
-        res.append({"name": "graph", "round": r, "shape": f"{PRESET} ctx{CTX} M=1", "correct": True, "ms": g_ms,
+        res.append({"name": f"graph r{r}", "round": r, "shape": f"{PRESET} ctx{CTX} M=1", "correct": True, "ms": g_ms,
                     **bandwidth(nbytes, g_ms)})
         print(f"round {r} graph {g_ms:.3f} ms", flush=True)
         for name, m in mks:
             m.run_steps(1)
             ms = events_ms(gb.stream, lambda: m.run_steps(N), N)
             m.check()
-            res.append({"name": name, "round": r, "shape": f"{PRESET} ctx{CTX} M=1", "correct": True, "ms": ms,
+            res.append({"name": f"{name} r{r}", "round": r, "shape": f"{PRESET} ctx{CTX} M=1", "correct": True, "ms": ms,
                         **bandwidth(nbytes, ms)})
             print(f"round {r} {name} {ms:.3f} ms", flush=True)
         result_file("mk_variants", res, meta, a.out)
