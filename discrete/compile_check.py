@@ -13,7 +13,8 @@ Source markers (comments, one per line):
 * ``// qmk: hot`` on the line directly above a ``__global__`` declaration (or above its ``template<...>`` or
   ``extern "C"`` line; other ``//`` comment lines may sit between) marks that kernel *hot*. Kernels whose names start with
   ``gemv``, ``lm_head``, ``gdn``, ``attn`` or ``mk_`` (after an optional ``qmk_``) are hot without a marker.
-  A hot kernel fails the check if ptxas reports any spill store/load, stack frame or local memory. A marker
+  A hot kernel fails the check if ptxas reports any spill store/load, stack frame or local memory, beyond
+  the documented ceiling ``LOCAL_BUDGETS`` gives a few named kernels (mk_main, qmk_attn_prep). A marker
   that is not directly above a ``__global__`` is itself an error.
 * ``// qmk: arch sm_90a`` (anywhere in the ``.cu`` file) lists the architectures to compile that unit for,
   replacing the default ``sm_90``; write ``// qmk: arch sm_90 sm_90a`` to get both.
@@ -194,20 +195,43 @@ def demangle(symbol: str) -> str:
     return name
 
 
+# Local-memory debts a hot kernel may carry, each a ceiling (bytes) over every preset and variant the check
+# builds, measured when the parser was fixed (session 3: until then a helper function's properties line hid
+# mk_main's spills). A hot kernel over its budget, or using local memory without one, fails. Lower a budget when
+# a debt shrinks; raising one is a decision to write down in docs/megakernel.md, never a way to pass.
+LOCAL_BUDGETS: dict[str, dict] = {
+    "mk_main": {"stack_frame": 336, "spill_stores": 348, "spill_loads": 608, "lmem": 0,
+                "why": "128-register cap (512 threads, one block per SM) with the GDN and attention device functions "
+                       "inlined: measured 268-348 B spill stores; __noinline__ cold opcodes spill less (88 B in "
+                       "mk_main) but ran 0.3 ms/token slower (docs/megakernel.md)"},
+    "qmk_attn_prep": {"stack_frame": 40, "spill_stores": 0, "spill_loads": 0, "lmem": 0,
+                      "why": "the double-precision sin/cos of RoPE keep the argument-reduction slow path "
+                             "(__internal_trig_reduction_slowpathd, a 40-byte local array), taken only for huge "
+                             "angles"},
+}
+
 _ENTRY_RE = re.compile(r"Compiling entry function '([^']+)' for '(\w+)'")
 _PROPS_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED_RE = re.compile(r"Used (\d+) registers(.*)")
+_FPROPS_RE = re.compile(r"Function properties for (\S+)")
 
 
 def parse_ptxas(log: str) -> list[KernelReport]:
-    """Per-entry-function resources from ``-Xptxas -v`` output (nvcc 13 format; sizes in bytes)."""
+    """Per-entry-function resources from ``-Xptxas -v`` output (nvcc 13 format; sizes in bytes). A properties
+    line counts for an entry only under its own ``Function properties for <entry>`` header: ptxas also prints
+    the properties of non-inlined device functions (e.g. ``__internal_trig_reduction_slowpathd``) after an entry,
+    and those must not overwrite the entry's spills (they did until session 3, hiding mk_main's)."""
     out: list[KernelReport] = []
     cur: KernelReport | None = None
+    props_for: str | None = None
     for line in log.splitlines():
         if m := _ENTRY_RE.search(line):
             cur = KernelReport(symbol=m.group(1), name=demangle(m.group(1)))
             out.append(cur)
-        elif cur and (m := _PROPS_RE.search(line)):
+            props_for = None
+        elif m := _FPROPS_RE.search(line):
+            props_for = m.group(1)
+        elif cur and props_for == cur.symbol and (m := _PROPS_RE.search(line)):
             cur.stack_frame, cur.spill_stores, cur.spill_loads = map(int, m.groups())
         elif cur and (m := _USED_RE.search(line)):
             cur.registers = int(m.group(1))
@@ -358,7 +382,14 @@ def check(units: list[Path] | None = None, presets=PRESETS, jobs: int | None = N
             k.hot = is_hot(k.name, marked)
             bad = [f"{v} bytes {what}" for v, what in ((k.spill_stores, "spill stores"),
                    (k.spill_loads, "spill loads"), (k.stack_frame, "stack frame"), (k.lmem, "lmem")) if v]
-            if k.hot and bad:
+            budget = LOCAL_BUDGETS.get(k.name)
+            if k.hot and bad and budget is not None:
+                over = [f"{getattr(k, f)} bytes {f.replace('_', ' ')} > budget {budget[f]}"
+                        for f in ("spill_stores", "spill_loads", "stack_frame", "lmem") if getattr(k, f) > budget[f]]
+                if over:
+                    failures.append(f"{where}: hot kernel {k.name} ({k.symbol}) exceeds its local-memory budget "
+                                    f"(LOCAL_BUDGETS): {', '.join(over)}, {k.registers} registers")
+            elif k.hot and bad:
                 failures.append(f"{where}: hot kernel {k.name} ({k.symbol}) uses local memory: "
                                 f"{', '.join(bad)}, {k.registers} registers")
     return CheckResult(results, failures, nvcc_version(nvcc), time.perf_counter() - t0)

@@ -165,6 +165,18 @@ def test_parse_ptxas_and_demangle():
     assert (a.name, a.registers, a.barriers, a.smem, a.lmem) == ("attn_t", 40, 1, 512, 16)
     assert (a.stack_frame, a.spill_stores, a.spill_loads) == (8, 4, 12)
     assert (b.name, b.registers, b.stack_frame) == ("plain", 10, 0)
+    # nvcc 13 prints a non-inlined helper's properties after the entry's: they are not the entry's
+    log2 = textwrap.dedent("""\
+        ptxas info    : Compiling entry function 'mk_main' for 'sm_90'
+        ptxas info    : Function properties for mk_main
+            304 bytes stack frame, 284 bytes spill stores, 496 bytes spill loads
+        ptxas info    : Used 128 registers, used 1 barriers, 304 bytes cumulative stack size
+        ptxas info    : Compile time = 12313.219 ms
+        ptxas info    : Function properties for __internal_trig_reduction_slowpathd
+            0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+        """)
+    (c,) = cc.parse_ptxas(log2)
+    assert (c.name, c.registers, c.stack_frame, c.spill_stores, c.spill_loads) == ("mk_main", 128, 304, 284, 496)
     assert cc.demangle("_Z10gemv_spillPfPKf") == "gemv_spill"
     assert cc.is_hot("gemv_spill", set()) and cc.is_hot("x", {"x"}) and not cc.is_hot("embed", set())
     assert cc.is_hot("qmk_attn_prep", set()) and not cc.is_hot("qmk_hash_fill", set())
@@ -188,3 +200,19 @@ def test_defines_provider_variants_are_each_compiled(tmp_path, monkeypatch):
     src.write_text(src.read_text().replace("planted_launch:variants", "planted_launch:nope"))
     res = cc.check([src], presets=("tiny",), cache_dir=None)
     assert any("defines provider planted_launch:nope does not exist" in f for f in res.failures), res.failures
+
+
+def test_local_budget_is_a_ceiling(tmp_path, monkeypatch):
+    """A kernel with a LOCAL_BUDGETS entry passes under its ceiling and fails over it (the planted kernel keeps
+    a local array: a stack frame)."""
+    src = _src(tmp_path, "planted_budget.cu", _LOCAL_ARRAY.format(marker="// qmk: hot", name="planted_budget"))
+    base = cc.check([src], presets=("tiny",), cache_dir=None)
+    (k,) = [k for r in base.results for k in r.kernels]
+    assert k.stack_frame > 0 and not base.ok
+    monkeypatch.setitem(cc.LOCAL_BUDGETS, "planted_budget", {"stack_frame": k.stack_frame, "spill_stores": 0,
+                                                              "spill_loads": 0, "lmem": k.lmem, "why": "test"})
+    assert cc.check([src], presets=("tiny",), cache_dir=None).ok
+    monkeypatch.setitem(cc.LOCAL_BUDGETS, "planted_budget", {"stack_frame": k.stack_frame - 4, "spill_stores": 0,
+                                                              "spill_loads": 0, "lmem": k.lmem, "why": "test"})
+    res = cc.check([src], presets=("tiny",), cache_dir=None)
+    assert not res.ok and "exceeds its local-memory budget" in "\n".join(res.failures)
