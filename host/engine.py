@@ -4,7 +4,8 @@
     for d in eng.chat([{"role": "user", "content": "Hi"}], max_new_tokens=8):
         print(d.text, end="")
     s = eng.new_session()                    # keeps the conversation's state between turns
-    r = s.chat(messages, max_new_tokens=64).result()
+    r = s.chat(messages, max_new_tokens=64).result()   # r.text, r.ids, r.finish_reason ("stop" | "length"), ...
+    text = eng.generate(ids, max_new_tokens=8).text      # the whole text at once, as vLLM's output.text
 
 ``chat`` and ``generate`` on the engine run in a fresh session each call (nothing kept); a ``Session``
 keeps state and processes only what a new turn appends (``host.session``).
@@ -23,6 +24,29 @@ from loader.config import PRESETS, ConfigError, ModelConfig
 
 DEFAULT_CAPACITY = 4096  # tokens per session slot unless the caller asks otherwise
 DEFAULT_SLOTS = 4
+# Start of the chat template ``loader.synthetic.write_checkpoint`` (``qwen-mk make-checkpoint``) puts in
+# tokenizer_config.json (``loader/templates/chat_template.jinja``); a real checkpoint ships its own template.
+SYNTHETIC_TEMPLATE_MARK = "qwen-mk's chat template for synthetic"
+
+
+def synthetic_marker(d: Path) -> str | None:
+    """How checkpoint directory ``d`` shows it holds synthetic weights written by ``loader.synthetic``, or None:
+    the ``.qwen-mk-stamp`` file of a cached checkpoint (``ensure_checkpoint``), else qwen-mk's chat template in
+    tokenizer_config.json (``write_checkpoint`` stores no other marker). Never raises: a file it cannot read is
+    reported by the loader later."""
+    import json
+
+    from loader.synthetic import STAMP
+
+    if (d / STAMP).is_file():
+        return f"{STAMP} of a cached synthetic checkpoint"
+    try:
+        tmpl = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(tmpl, str) and SYNTHETIC_TEMPLATE_MARK in tmpl[:200]:
+        return "qwen-mk's synthetic chat template in tokenizer_config.json"
+    return None
 
 
 def _resolve_model(path_or_preset: str | Path | None, seed: int, quiet: bool, gpu: bool) -> tuple[Path, str | None]:
@@ -52,6 +76,10 @@ def _resolve_model(path_or_preset: str | Path | None, seed: int, quiet: bool, gp
     if not p.is_dir():
         raise ModelLoadError(f"model {str(path_or_preset)!r}: not a directory and not a preset "
                              f"(presets: {', '.join(sorted(PRESETS))})")
+    mark = synthetic_marker(p)
+    if mark and not quiet:  # as for a preset: a checkpoint from `qwen-mk make-checkpoint` is random too
+        print(f"qwen-mk: model {p} holds SYNTHETIC random weights ({mark}): the text is meaningless by design",
+              file=sys.stderr)
     return p, None
 
 
@@ -101,8 +129,10 @@ class Engine:
         ``executor``: ``megakernel`` | ``graph`` | ``cpu``; None = graph when a GPU is present (the faster of the two
         bit-identical GPU paths, measured), else cpu.
         ``capacity``: tokens per session slot. ``seed``: of the synthetic weights of a preset.
-        Raises ModelLoadError (bad directory, failed validation), ExecutorUnavailable, InvalidArgument (also for a
-        capacity above the model's context or one whose state does not fit in memory).
+        Raises ModelLoadError (bad directory, failed validation), InvalidArgument (an unknown executor name, a
+        capacity above the model's context or one whose state does not fit in memory), ExecutorUnavailable (a
+        valid executor that cannot run here, e.g. a GPU one without a GPU). ``quiet`` drops the stderr warning
+        printed for synthetic weights (a preset, or a directory written by ``qwen-mk make-checkpoint``).
         """
         kind = executor or default_kind()
         check_kind(kind)  # before reading any weights
@@ -124,7 +154,8 @@ class Engine:
             tokenizer = Tokenizer.from_checkpoint(model_dir)
             template = ChatTemplate.from_checkpoint(model_dir)
         except (CheckpointError, ConfigError, TokenizerError, FileNotFoundError, OSError, ValueError) as e:
-            raise ModelLoadError(f"model directory {model_dir}: {e}") from e
+            msg = str(e)  # loader messages usually start with the path already: name it once
+            raise ModelLoadError(msg if str(model_dir) in msg else f"model directory {model_dir}: {msg}") from e
         ctx = weights.config.max_position_embeddings
         if capacity > ctx:  # as vLLM refuses a max_model_len above the model's context
             raise InvalidArgument(f"capacity: {capacity} tokens exceeds the model's context of {ctx} "

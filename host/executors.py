@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from host.errors import ExecutorUnavailable
+from host.errors import ExecutorUnavailable, InvalidArgument
 from loader.config import FIRST_PADDING_ID, ModelConfig
 
 KINDS = ("megakernel", "graph", "cpu")
@@ -194,10 +194,10 @@ class CpuExecutor(Executor):
 
 
 def check_kind(kind: str) -> None:
-    """Cheap check before any weights are read: the kind exists and, for GPU kinds, a device is present.
-    Raises ExecutorUnavailable."""
+    """Cheap check before any weights are read: the kind exists (else InvalidArgument) and, for GPU kinds, a
+    device is present (else ExecutorUnavailable)."""
     if kind not in KINDS:
-        raise ExecutorUnavailable(f"unknown executor {kind!r}; expected one of {', '.join(KINDS)}")
+        raise InvalidArgument(f"executor: expected one of {', '.join(KINDS)}, got {kind!r}")
     if kind != "cpu":
         ok, why = gpu_available()
         if not ok:
@@ -327,7 +327,8 @@ class MegakernelExecutor(GraphExecutor):
 
 
 def make_executor(kind: str, weights, capacity: int, slots: int = 4) -> Executor:
-    """Build the executor ``kind`` (one of KINDS) for ``weights`` (a WeightSource). Raises ExecutorUnavailable."""
+    """Build the executor ``kind`` (one of KINDS) for ``weights`` (a WeightSource). Raises InvalidArgument for an
+    unknown kind, ExecutorUnavailable for one that cannot run here."""
     table = {"cpu": CpuExecutor, "graph": GraphExecutor, "megakernel": MegakernelExecutor}
     check_kind(kind)
     return table[kind](weights, capacity, slots)

@@ -30,12 +30,14 @@ MAX_CHECKPOINTS = 8    # state snapshots kept per session (the newest)
 @dataclass
 class Delta:
     """One streamed piece: ``text`` (complete UTF-8 characters, possibly empty while held back for a stop
-    string), the generated ``ids`` it accounts for, and ``finish_reason`` on the last delta
-    (``stop`` = a stop token, ``stop_string``, ``length`` = max_new_tokens, ``capacity`` = session full)."""
+    string), the generated ``ids`` it accounts for, and on the last delta ``finish_reason`` and ``stop_reason``
+    (vLLM's names: ``stop`` = an EOS or stop token or a stop string, ``length`` = max_new_tokens reached or the
+    session full; ``stop_reason`` = the matched stop string or stop token id, None for EOS and for ``length``)."""
 
     text: str
     ids: list[int]
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -56,11 +58,18 @@ class Timings:
 
 @dataclass
 class GenerationResult:
-    """Final result: text (stop strings/tokens excluded), generated ids (a stop token included), timings."""
+    """Final result: text (stop strings/tokens excluded), generated ids (a stop token included), timings.
+
+    ``finish_reason`` (vLLM / OpenAI): ``stop`` or ``length``. ``stop_reason`` (vLLM): the matched stop string or
+    the stop token id, None for EOS (one of the config's eos ids) and for ``length``. ``finish_detail``: ``eos``,
+    ``stop_token``, ``stop_string`` (finish_reason ``stop``), ``max_new_tokens`` or ``capacity`` (the session or
+    the model's context is full; finish_reason ``length``)."""
 
     text: str
     ids: list[int]
     finish_reason: str
+    stop_reason: str | int | None
+    finish_detail: str
     timings: Timings
     executor: str
     executor_detail: str
@@ -76,7 +85,8 @@ class GenerationResult:
 
 
 class Generation:
-    """Iterator of :class:`Delta`; ``result()`` drains it and returns the :class:`GenerationResult`."""
+    """Iterator of :class:`Delta`; ``result()`` drains it and returns the :class:`GenerationResult`; ``text`` is
+    the whole generated text (vLLM's ``output.text``; drains the stream too)."""
 
     def __init__(self, body: Callable[["Generation"], Iterator[Delta]]):
         self._result: GenerationResult | None = None
@@ -97,6 +107,11 @@ class Generation:
         if self._result is None:
             raise EngineError("generation was closed before it finished")
         return self._result
+
+    @property
+    def text(self) -> str:
+        """The whole generated text, as ``result().text`` (whatever was already iterated included)."""
+        return self.result().text
 
 
 def validate_ids(ids: Sequence[int], vocab_size: int, what: str = "prompt", allow_empty: bool = False) -> list[int]:
@@ -134,15 +149,16 @@ class _StopMatcher:
         self.text = ""
         self.emitted = 0
 
-    def feed(self, t: str) -> tuple[str, bool]:
-        """Append ``t``; return (text now safe to emit, whether a stop string was found)."""
+    def feed(self, t: str) -> tuple[str, str | None]:
+        """Append ``t``; return (text now safe to emit, the stop string found or None; the earliest match wins,
+        then the first in ``stops``)."""
         self.text += t
-        hits = [j for j in (self.text.find(s, self.emitted) for s in self.stops) if j >= 0]
+        hits = [(j, k) for k, j in enumerate(self.text.find(s, self.emitted) for s in self.stops) if j >= 0]
         if hits:
-            j = min(hits)
+            j, k = min(hits)
             self.text = self.text[:j]
             out, self.emitted = self.text[self.emitted:], j
-            return out, True
+            return out, self.stops[k]
         hold = 0
         for s in self.stops:  # longest proper prefix of a stop string ending the text
             for k in range(min(len(s) - 1, len(self.text) - self.emitted), hold, -1):
@@ -151,7 +167,7 @@ class _StopMatcher:
                     break
         end = len(self.text) - hold
         out, self.emitted = self.text[self.emitted:end], end
-        return out, False
+        return out, None
 
     def flush(self) -> str:
         out, self.emitted = self.text[self.emitted:], len(self.text)
@@ -258,7 +274,8 @@ class Session:
 
         Stops on ``stop_ids`` (default: the config's eos ids 248046, 248044), on any ``stop`` string matched on
         the detokenised text (text past it is never emitted), after ``max_new_tokens``, or when the session is
-        full. ``checkpoint_at``: extra prompt positions to snapshot (``chat`` passes the start of the generation
+        full (finish_reason ``stop`` for the first two, ``length`` for the others; see GenerationResult).
+        ``checkpoint_at``: extra prompt positions to snapshot (``chat`` passes the start of the generation
         prompt, where a re-rendered history usually diverges). Raises (before any work) EmptyPrompt,
         InvalidTokenId, PromptTooLong, InvalidArgument; while running, GenerationInterrupted on KeyboardInterrupt
         (the session is rolled back to a checkpoint and stays usable).
@@ -298,6 +315,7 @@ class Session:
         t0 = time.perf_counter()
         tm = Timings(prompt_tokens=len(prompt))
         detok, match = self.engine.new_detok(), _StopMatcher(stops)
+        cfg_eos = set(self.engine.cfg.eos_token_ids)
         out_ids: list[int] = []
         paused = 0.0
         self._busy = True
@@ -305,7 +323,7 @@ class Session:
             out, tm.reused_tokens, tm.prefilled_tokens, note = self._sync(prompt, marks)
             t1 = time.perf_counter()
             tm.prefill_ms = (t1 - t0) * 1e3
-            finish = None
+            finish, why, stop_reason = None, "", None
             while finish is None:
                 tok = out.token if (out.token is not None and sampler.params.greedy) else None
                 if tok is None:
@@ -318,21 +336,22 @@ class Session:
                 out_ids.append(tok)
                 if tok in stop_set:
                     finish, piece = "stop", detok.flush()
+                    why, stop_reason = ("eos", None) if tok in cfg_eos else ("stop_token", tok)
                 else:
                     piece = detok.push(tok)
                     if len(out_ids) == max_new:
-                        finish = "length"
+                        finish, why = "length", "max_new_tokens"
                     elif len(self.ids) >= self.capacity:
-                        finish = "capacity"
+                        finish, why = "length", "capacity"
                     if finish:
                         piece += detok.flush()
                 text, hit = match.feed(piece)
-                if hit:
-                    finish = "stop_string"
+                if hit is not None:
+                    finish, why, stop_reason = "stop", "stop_string", hit
                 elif finish:
                     text += match.flush()
                 ty = time.perf_counter()
-                yield Delta(text, [tok], finish)  # hand the text out before the next step computes
+                yield Delta(text, [tok], finish, stop_reason)  # hand the text out before the next step computes
                 paused += time.perf_counter() - ty  # time the consumer held the stream is not decode time
                 if finish is None:
                     out = self._ex().step(tok)  # re-select the slot: another session may have run meanwhile
@@ -357,5 +376,5 @@ class Session:
         if len(out_ids) > 1 and busy > 0:
             tm.decode_tokens_per_s = (len(out_ids) - 1) / busy
         tm.tokens_per_step = len(out_ids) / (1 + tm.steps)
-        g._result = GenerationResult(match.text, out_ids, finish, tm, ex.name, ex.detail, sampler.seed,
-                                     asdict(sampler.params), note, prompt)
+        g._result = GenerationResult(match.text, out_ids, finish, stop_reason, why, tm, ex.name, ex.detail,
+                                     sampler.seed, asdict(sampler.params), note, prompt)

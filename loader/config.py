@@ -252,51 +252,28 @@ class ModelConfig:
     # ------------------------------------------------------------------ parsing
     @classmethod
     def from_dict(cls, cfg: dict, *, source: str = "config.json", name: str = "custom") -> "ModelConfig":
-        """Parse a config.json dictionary (multimodal or text-only layout). Raises ConfigError."""
+        """Parse a config.json dictionary (multimodal or text-only layout). Raises ConfigError naming ``source``
+        and the field at fault: a missing required field (:data:`REQUIRED_FIELDS`), a value of the wrong type,
+        or a configuration the engine does not implement."""
         if not isinstance(cfg, dict):
-            raise ConfigError(f"{source}: expected a JSON object")
+            raise ConfigError(f"{source}: got a JSON {_json_kind(cfg)}; {LAYOUTS}")
         multimodal = "text_config" in cfg
         text = cfg["text_config"] if multimodal else cfg
         if not isinstance(text, dict):
-            raise ConfigError(f"{source}: text_config must be an object")
+            raise ConfigError(f"{source}: 'text_config' must be a JSON object, got a JSON {_json_kind(text)}")
         mt = text.get("model_type")
         if mt not in (None, "qwen3_5_text", "qwen3_5"):
             raise ConfigError(f"{source}: model_type {mt!r} is not a Qwen3.5 text model ('qwen3_5_text')")
-        kw: dict[str, Any] = {}
-        simple = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
-                  "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "rms_norm_eps",
-                  "max_position_embeddings", "tie_word_embeddings", "mtp_num_hidden_layers",
-                  "mtp_use_dedicated_embeddings", "mamba_ssm_dtype", "hidden_act", "attn_output_gate",
-                  "bos_token_id")
-        for k in simple:
-            if k in text and text[k] is not None:
-                kw[k] = text[k]
-        if "layer_types" in text:
-            kw["layer_types"] = tuple(text["layer_types"])
-        elif "full_attention_interval" in text:
-            n, iv = text.get("num_hidden_layers", 64), text["full_attention_interval"]
-            kw["layer_types"] = tuple(FULL if (i + 1) % iv == 0 else LINEAR for i in range(n))
-        rope = text.get("rope_parameters") or {}
-        if "rope_theta" in rope or "rope_theta" in text:
-            kw["rope_theta"] = float(rope.get("rope_theta", text.get("rope_theta")))
-        if rope.get("rope_type", "default") not in ("default", None):
-            raise ConfigError(f"{source}: rope_parameters.rope_type {rope.get('rope_type')!r}: expected 'default'")
-        prf = rope.get("partial_rotary_factor", text.get("partial_rotary_factor"))
-        if prf is not None:
-            kw["partial_rotary_factor"] = float(prf)
-        eos = text.get("eos_token_id")
-        if eos is not None:
-            eos_l = eos if isinstance(eos, list) else [eos]
-            kw["eos_token_ids"] = tuple(dict.fromkeys([IM_END_ID, *eos_l]))
-        q = cfg.get("quantization_config", text.get("quantization_config"))
-        if q is None:
-            kw["quant_method"] = None
-        else:
-            kw["quant_method"] = q.get("quant_method")
-            kw["quant_fmt"] = q.get("fmt", "e4m3")
-            kw["weight_block_size"] = tuple(q.get("weight_block_size", (128, 128)))
-            kw["activation_scheme"] = q.get("activation_scheme", "dynamic")
+        missing = [k for k in REQUIRED_FIELDS if text.get(k) is None]
+        if missing:
+            where = "'text_config'" if multimodal else "the top level (text-only layout; no 'text_config')"
+            raise ConfigError(f"{source}: missing required field(s) {', '.join(missing)} in {where}; {LAYOUTS}")
+        try:
+            kw = _parse_fields(cfg, text, source)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError) as e:  # a value of a wrong type the checks above do not name
+            raise ConfigError(f"{source}: malformed field value ({e})") from None
         kw["multimodal"] = multimodal
         try:
             return cls(name=name, **kw)
@@ -307,16 +284,19 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
-        """Read ``path`` (a config.json, or a checkpoint directory holding one). Raises ConfigError."""
+        """Read ``path`` (a config.json, or a checkpoint directory holding one). Raises ConfigError naming the
+        file: absent, unreadable, not JSON, not a JSON object, or any error of :meth:`from_dict`."""
         p = Path(path)
         if p.is_dir():
             p = p / "config.json"
         if not p.is_file():
-            raise ConfigError(f"{p}: no config.json found")
+            raise ConfigError(f"{p}: file not found" + ("" if p.name == "config.json" else " (expected a config.json)"))
         try:
-            data = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{p}: not valid JSON ({e})") from None
+        except OSError as e:
+            raise ConfigError(f"{p}: cannot read ({e.strerror or e})") from None
         return cls.from_dict(data, source=str(p), name=p.parent.name or "custom")
 
     def to_text_config(self) -> dict:
@@ -345,6 +325,92 @@ class ModelConfig:
 
     def replace(self, **kw: Any) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
+
+
+# Fields every config.json must give (the shapes derive from them); the others default to the real model's.
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                   "linear_key_head_dim", "linear_value_head_dim")
+LAYOUTS = ("expected a Qwen3.5 config.json: a JSON object whose 'text_config' object holds the text-model fields "
+           "(multimodal layout), or those fields at the top level (text-only layout)")
+
+
+def _json_kind(v: Any) -> str:
+    """JSON type name of a parsed value (for error messages)."""
+    for t, n in ((bool, "boolean"), (dict, "object"), (list, "list"), (str, "string"), (int, "number"),
+                 (float, "number")):
+        if isinstance(v, t):
+            return n
+    return "null" if v is None else type(v).__name__
+
+
+def _obj(v: Any, where: str, source: str) -> dict:
+    if not isinstance(v, dict):
+        raise ConfigError(f"{source}: {where!r} must be a JSON object, got a JSON {_json_kind(v)}")
+    return v
+
+
+def _number(v: Any, field: str, source: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"{source}: config field {field!r}: expected a number, got {v!r}")
+    return float(v)
+
+
+def _parse_fields(cfg: dict, text: dict, source: str) -> dict[str, Any]:
+    """ModelConfig keyword arguments from the config.json objects (the text fields in ``text``)."""
+    kw: dict[str, Any] = {}
+    simple = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+              "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "rms_norm_eps",
+              "max_position_embeddings", "tie_word_embeddings", "mtp_num_hidden_layers",
+              "mtp_use_dedicated_embeddings", "mamba_ssm_dtype", "hidden_act", "attn_output_gate",
+              "bos_token_id")
+    for k in simple:
+        if k in text and text[k] is not None:
+            kw[k] = text[k]
+    if "rms_norm_eps" in kw:
+        kw["rms_norm_eps"] = _number(kw["rms_norm_eps"], "rms_norm_eps", source)
+    if "layer_types" in text:
+        if not isinstance(text["layer_types"], list):
+            raise ConfigError(f"{source}: 'layer_types' must be a JSON list, "
+                              f"got a JSON {_json_kind(text['layer_types'])}")
+        kw["layer_types"] = tuple(text["layer_types"])
+    elif "full_attention_interval" in text:
+        n, iv = text.get("num_hidden_layers", 64), text["full_attention_interval"]
+        if isinstance(iv, bool) or not isinstance(iv, int) or iv < 1:
+            raise ConfigError(f"{source}: config field 'full_attention_interval': expected a positive integer, "
+                              f"got {iv!r}")
+        kw["layer_types"] = tuple(FULL if (i + 1) % iv == 0 else LINEAR for i in range(n))
+    rope = text.get("rope_parameters")
+    rope = {} if rope is None else _obj(rope, "rope_parameters", source)
+    if "rope_theta" in rope or "rope_theta" in text:
+        kw["rope_theta"] = _number(rope.get("rope_theta", text.get("rope_theta")), "rope_parameters.rope_theta", source)
+    if rope.get("rope_type", "default") not in ("default", None):
+        raise ConfigError(f"{source}: rope_parameters.rope_type {rope.get('rope_type')!r}: expected 'default'")
+    prf = rope.get("partial_rotary_factor", text.get("partial_rotary_factor"))
+    if prf is not None:
+        kw["partial_rotary_factor"] = _number(prf, "rope_parameters.partial_rotary_factor", source)
+    eos = text.get("eos_token_id")
+    if eos is not None:
+        eos_l = eos if isinstance(eos, list) else [eos]
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos_l):
+            raise ConfigError(f"{source}: config field 'eos_token_id': expected a token id or a list of them, "
+                              f"got {eos!r}")
+        kw["eos_token_ids"] = tuple(dict.fromkeys([IM_END_ID, *eos_l]))
+    q = cfg.get("quantization_config", text.get("quantization_config"))
+    if q is None:
+        kw["quant_method"] = None
+    else:
+        q = _obj(q, "quantization_config", source)
+        kw["quant_method"] = q.get("quant_method")
+        kw["quant_fmt"] = q.get("fmt", "e4m3")
+        wbs = q.get("weight_block_size", [128, 128])
+        if not isinstance(wbs, list):
+            raise ConfigError(f"{source}: config field 'quantization_config.weight_block_size': expected [128, 128], "
+                              f"got {wbs!r}")
+        kw["weight_block_size"] = tuple(wbs)
+        kw["activation_scheme"] = q.get("activation_scheme", "dynamic")
+    return kw
 
 
 PRESETS: dict[str, ModelConfig] = {

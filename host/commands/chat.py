@@ -2,16 +2,19 @@
 
 Each turn renders the whole conversation with the chat template; the session reuses what its state already
 holds and runs only the rest (``host.session``). Ctrl-C during a reply interrupts it, drops that turn and keeps
-the session usable; Ctrl-C or EOF at the prompt ends the chat. ``/reset`` clears the conversation,
-``/exit`` quits.
+the session usable; Ctrl-C or EOF at the prompt ends the chat. A line starting with ``/`` is a command
+(``HELP``; an unknown one is reported and nothing is sent); ``//`` sends a line starting with ``/``.
 """
 from __future__ import annotations
 
 import click
 
-from host.commands.generate import (check_model_args, gen_kwargs, handle_errors, load_engine, model_options,
-                                   sampling_options, timing_line)
+from host.commands.generate import (check_model_args, check_sampling_args, gen_kwargs, handle_errors, load_engine,
+                                   model_options, sampling_options, timing_line)
 from host.errors import GenerationInterrupted, PromptTooLong
+
+HELP = ("commands: /reset clears the conversation, /exit or /quit ends the chat, /help lists them; "
+        "start a message with // to send a leading /")
 
 
 def assistant_message(engine, ids: list[int], text: str, thinking: bool) -> dict:
@@ -38,24 +41,33 @@ def assistant_message(engine, ids: list[int], text: str, thinking: bool) -> dict
 def command(system, timings, **kw):
     """Chat interactively (keeps the session between turns)."""
     check_model_args(kw)
-    from host.sampling import SamplingParams  # bad sampling flags fail before the model loads
-    SamplingParams(kw["temperature"], kw["top_k"], kw["top_p"], kw["seed"])
+    check_sampling_args(kw)  # bad sampling flags fail before the model loads
     eng = load_engine(kw)
     sess = eng.new_session()
     base = [{"role": "system", "content": system}] if system else []
     messages = list(base)
-    click.echo("qwen-mk chat: /reset clears the conversation, /exit quits, Ctrl-C interrupts a reply.", err=True)
+    click.echo("qwen-mk chat: /reset clears the conversation, /exit quits, /help lists the commands, Ctrl-C "
+               "interrupts a reply.", err=True)
     while True:
         try:
             line = click.prompt(">>>", prompt_suffix=" ", default="", show_default=False)
         except (EOFError, KeyboardInterrupt, click.Abort):
             click.echo("", err=True)
             return
-        if line.strip() in ("/exit", "/quit"):
+        cmd = line.strip()
+        if cmd.startswith("//"):  # an escaped leading slash: text for the model
+            line = line.replace("/", "", 1)
+        elif cmd in ("/exit", "/quit"):
             return
-        if line.strip() == "/reset":
+        elif cmd == "/reset":
             messages = list(base)
             click.echo("[conversation cleared]", err=True)
+            continue
+        elif cmd == "/help":
+            click.echo(HELP, err=True)
+            continue
+        elif cmd.startswith("/"):
+            click.echo(f"unknown command {cmd.split()[0]!r} (nothing sent); {HELP}", err=True)
             continue
         if not line.strip():
             continue

@@ -16,6 +16,8 @@ from host.errors import EngineError, GenerationInterrupted
 from host.executors import KINDS
 from loader.config import PRESETS
 
+DEFAULT_MAX_NEW_TOKENS = 256
+
 
 def model_options(f):
     """--model/--preset/--executor/--capacity, shared by generate and chat."""
@@ -33,10 +35,14 @@ def model_options(f):
 def sampling_options(f):
     """Sampling and stopping options, shared by generate and chat."""
     for opt in reversed([
-        click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True),
+        click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
+                     show_default=f"{DEFAULT_MAX_NEW_TOKENS}, or --capacity when smaller",
+                     help="At most --capacity (the session holds the prompt and the reply)."),
         click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
-        click.option("--top-k", type=int, default=None, help="Keep the k most likely (ties kept); 0 = off."),
-        click.option("--top-p", type=float, default=None, help="Nucleus mass in (0, 1]."),
+        click.option("--top-k", type=int, default=None,
+                     help="Keep the k most likely (ties kept); 0 = off. Sampling only (--temperature > 0)."),
+        click.option("--top-p", type=float, default=None,
+                     help="Nucleus mass in (0, 1]. Sampling only (--temperature > 0)."),
         click.option("--seed", type=int, default=None, help="Sampling seed (printed when drawn)."),
         click.option("--stop", multiple=True, help="Stop string (repeatable); not emitted."),
         click.option("--no-think", is_flag=True, help="Render the prompt with enable_thinking=False."),
@@ -54,6 +60,33 @@ def check_model_args(kw: dict) -> None:
     """UsageError for --model together with --preset."""
     if kw["model_dir"] and kw["preset"]:
         raise click.UsageError("give --model DIR or --preset NAME, not both")
+
+
+def check_sampling_args(kw: dict) -> None:
+    """Checks of the sampling flags before the model loads: their ranges (``SamplingParams``), --max-new-tokens
+    against --capacity and a preset's context (InvalidArgument), and a warning on stderr for --top-k/--top-p
+    under greedy decoding, where they have no effect (vLLM ignores them there too). Fills in the default
+    ``kw["max_new_tokens"]``: DEFAULT_MAX_NEW_TOKENS, or --capacity when smaller."""
+    from host.errors import InvalidArgument
+    from host.sampling import SamplingParams
+
+    p = SamplingParams(kw["temperature"], kw["top_k"], kw["top_p"], kw["seed"])
+    cap = kw["capacity"]
+    if kw["max_new_tokens"] is None:
+        kw["max_new_tokens"] = max(1, min(DEFAULT_MAX_NEW_TOKENS, cap))
+    n = kw["max_new_tokens"]
+    name = kw["preset"] or (None if kw["model_dir"] else "tiny")  # Engine.load's default is the tiny preset
+    ctx = PRESETS[name].max_position_embeddings if name in PRESETS else None
+    if ctx is not None and n > ctx:
+        raise InvalidArgument(f"max_new_tokens: {n} exceeds the model's context of {ctx} tokens "
+                              f"(max_position_embeddings of preset {name!r})")
+    if n > cap >= 1:  # a capacity < 1 is Engine.load's error
+        raise InvalidArgument(f"max_new_tokens: {n} exceeds --capacity {cap}, the tokens a session holds (prompt "
+                              f"and reply together); lower --max-new-tokens or raise --capacity")
+    given = [f for f, v in (("--top-k", kw["top_k"]), ("--top-p", kw["top_p"])) if v is not None]
+    if given and p.greedy:
+        click.echo(f"qwen-mk: warning: {' and '.join(given)} {'has' if len(given) == 1 else 'have'} no effect under "
+                   f"greedy decoding (--temperature 0); give --temperature > 0 to sample", err=True)
 
 
 def load_engine(kw: dict):
@@ -78,6 +111,12 @@ def handle_errors(f):
     return wrapper
 
 
+def finish_text(r) -> str:
+    """``length (max_new_tokens)``, ``stop (eos)``, ``stop (stop_string '###')``: finish_reason, then the detail."""
+    why = r.finish_detail + (f" {r.stop_reason!r}" if r.stop_reason is not None else "")
+    return f"{r.finish_reason} ({why})"
+
+
 def timing_line(r) -> str:
     """One line summarising a GenerationResult's timings (measured wall clock, time.perf_counter)."""
     t = r.timings
@@ -91,7 +130,7 @@ def timing_line(r) -> str:
         dec += f" at {t.decode_tokens_per_s:.2f} tok/s ({1e3 / t.decode_tokens_per_s:.1f} ms/tok)"
     seed = f" | seed {r.seed}" if r.sampling.get("temperature") else ""
     return (f"[{pre} | ttft {t.ttft_ms:.1f} ms | {dec} | {t.tokens_per_step:.2f} tok/step | "
-            f"finish {r.finish_reason}{seed} | {r.executor_detail}]")
+            f"finish {finish_text(r)}{seed} | {r.executor_detail}]")
 
 
 def read_prompt(prompt: str | None) -> str:
@@ -108,15 +147,15 @@ def read_prompt(prompt: str | None) -> str:
 @model_options
 @sampling_options
 @click.option("--raw", is_flag=True, help="Tokenise PROMPT as is, without the chat template.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, ids, finish_reason, timings).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object (text, ids, finish_reason, stop_reason, finish_detail, timings, ...).")
 @handle_errors
 def command(prompt, raw, as_json, **kw):
     """Generate a reply to PROMPT (or stdin) and stream it."""
     from host.errors import EmptyPrompt
 
     check_model_args(kw)
-    from host.sampling import SamplingParams  # bad sampling flags fail before the model loads (as in chat)
-    SamplingParams(kw["temperature"], kw["top_k"], kw["top_p"], kw["seed"])
+    check_sampling_args(kw)  # bad sampling flags fail before the model loads (as in chat)
     text = read_prompt(prompt)
     if not text.strip():
         raise EmptyPrompt("the prompt is empty")

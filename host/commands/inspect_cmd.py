@@ -4,8 +4,21 @@ from __future__ import annotations
 import json
 
 import click
+from click.core import ParameterSource
 
+from host.errors import ExecutorUnavailable
 from loader.config import PRESETS, preset
+
+
+class _NoGPU(click.ClickException):
+    """``--timings`` without a usable GPU: the exit code of ExecutorUnavailable, as generate / compare / bench."""
+
+    exit_code = ExecutorUnavailable.exit_code
+
+
+# options that shape the assembled program; --timings runs the megakernel's own default decode program instead
+_PROGRAM_ONLY = {"layer_limit": "--layer-limit", "rows": "--rows", "kind": "--kind", "fuse_reduce": "--fuse-reduce",
+                 "check": "--verify"}
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -13,25 +26,39 @@ from loader.config import PRESETS, preset
               help="model configuration")
 @click.option("--sms", type=click.IntRange(min=1), default=132, show_default=True, help="SM count (132 on the H200)")
 @click.option("--format", "fmt", type=click.Choice(["text", "json", "stats"]), default="text", show_default=True,
-              help="full dump as text or JSON, or the stats only")
+              help="full dump as text or JSON (its 'stats' object holds what the stats line prints: --context, and "
+                   "'verified' with --verify), or the stats only; --timings prints JSON and accepts only json")
 @click.option("--layer-limit", type=click.IntRange(min=0), default=None, help="keep only the first L layers")
 @click.option("--rows", type=click.IntRange(1, 8), default=1, show_default=True, help="M rows (verify step when > 1)")
 @click.option("--kind", type=click.Choice(["decode", "mtp"]), default="decode", show_default=True)
 @click.option("--fuse-reduce/--no-fuse-reduce", default=None,
               help="split-K reduce inside the GEMV instructions (default: the megakernel's default program)")
-@click.option("--verify/--no-verify", "check", default=False, help="also run the static verifier (slow for the 27B)")
-@click.option("--timings", is_flag=True, help="run the program on the GPU with per-instruction timing slots "
-              "(QMK_MK_TIMING build) and print them as JSON")
+@click.option("--verify/--no-verify", "check", default=False,
+              help="also run the static verifier (slow for the 27B); its summary goes into the stats ('verified')")
+@click.option("--timings", is_flag=True, help="run the megakernel's default decode program (2 steps) on the GPU with "
+              "per-instruction timing slots (QMK_MK_TIMING build) and print them as JSON; takes --preset, --sms, "
+              "--context (and --format json); refuses --layer-limit, --rows, --kind, --fuse-reduce, --verify, "
+              "--format text/stats; exit 7 without a GPU")
 @click.option("--context", type=click.IntRange(min=0), default=0, show_default=True,
               help="with --timings: start position; otherwise the KV context whose attention bytes the stats add")
 def command(preset_name: str, sms: int, fmt: str, layer_limit: int | None, rows: int, kind: str,
             fuse_reduce: bool | None, check: bool, timings: bool, context: int) -> None:
     """Print the instruction program of one step and its stats (bytes per SM, imbalance, waits, critical path)."""
     if timings:
+        ctx = click.get_current_context()
+        given = []
+        for name, flag in _PROGRAM_ONLY.items():
+            if ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT):
+                given.append(flag.replace("--", "--no-", 1) if ctx.params[name] is False else flag)
+        if fmt != "json" and ctx.get_parameter_source("fmt") not in (None, ParameterSource.DEFAULT):
+            given.append(f"--format {fmt}")
+        if given:
+            raise click.UsageError(f"--timings runs the megakernel's default decode program and prints JSON; it does "
+                                   f"not take {', '.join(given)}")
         from host.executors import gpu_available
         ok, why = gpu_available()
         if not ok:
-            raise click.ClickException(f"--timings runs the megakernel and needs an NVIDIA GPU: {why}")
+            raise _NoGPU(f"--timings runs the megakernel and needs an NVIDIA GPU: {why}")
         from megakernel.timings import run
         click.echo(json.dumps(run(preset_name, steps=2, context=context, num_sms=sms), indent=1))
         return
@@ -48,10 +75,15 @@ def command(preset_name: str, sms: int, fmt: str, layer_limit: int | None, rows:
     prog = schedule(g, sms, fuse_reduce)
     st = prog.stats(kv_context=context)
     if check:
-        from assembler.verify import verify
-        st["verified"] = verify(prog)
+        from assembler.verify import VerifyError, verify
+        try:
+            st["verified"] = verify(prog)
+        except VerifyError as e:
+            raise click.ClickException(f"the static verifier rejects the program: {e}") from None
     if fmt == "json":
-        click.echo(prog.to_json())
+        d = json.loads(prog.to_json())
+        d["stats"] = st  # the same object as the text dump's stats line (--context, and 'verified' with --verify)
+        click.echo(json.dumps(d))
         return
     if fmt == "text":
         click.echo(prog.to_text(), nl=False)

@@ -1,7 +1,13 @@
-"""``qwen-mk make-checkpoint``: write a synthetic checkpoint in the real Qwen3.5-FP8 format (loader.synthetic)."""
+"""``qwen-mk make-checkpoint``: write a synthetic checkpoint in the real Qwen3.5-FP8 format (loader.synthetic).
+
+The checkpoint is written into a temporary sibling directory of OUT (``.<name>.tmp-<pid>``) and renamed into
+place when complete, so OUT never holds a half-written checkpoint (an error or Ctrl-C removes the temporary
+directory). An OUT that exists and is not empty is refused unless ``--force`` replaces it."""
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 
 import click
 
@@ -9,9 +15,19 @@ from loader.config import PRESETS, preset
 from loader.synthetic import MAX_SHARD_BYTES, write_checkpoint
 
 
+def _remove(p: Path) -> None:
+    if p.is_symlink() or p.is_file():
+        p.unlink()
+    elif p.exists():
+        shutil.rmtree(p, ignore_errors=True)
+
+
 @click.command(name="make-checkpoint")
 @click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)), required=True, help="model preset")
-@click.option("--out", type=click.Path(file_okay=False), required=True, help="output directory (created)")
+@click.option("--out", type=click.Path(file_okay=False), required=True,
+              help="output directory (created; refused when it exists and is not empty, unless --force)")
+@click.option("--force", is_flag=True, help="replace a non-empty OUT: everything in it is deleted once the new "
+              "checkpoint is complete")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="generator seed")
 @click.option("--shard-bytes", type=click.IntRange(min=1), default=MAX_SHARD_BYTES, show_default=True,
               help="largest shard size in bytes")
@@ -20,16 +36,61 @@ from loader.synthetic import MAX_SHARD_BYTES, write_checkpoint
 @click.option("--workers", type=click.IntRange(min=1), default=min(8, os.cpu_count() or 1), show_default=True,
               help="generator processes")
 @click.option("--no-tokenizer", is_flag=True, help="do not write tokenizer files")
-def command(preset_name: str, out: str, seed: int, shard_bytes: int, max_shards: int | None, workers: int,
-            no_tokenizer: bool) -> None:
+def command(preset_name: str, out: str, force: bool, seed: int, shard_bytes: int, max_shards: int | None,
+            workers: int, no_tokenizer: bool) -> None:
     """Write a synthetic checkpoint (config, generation config, safetensors shards + index, tokenizer) to OUT."""
+    for a in Path(out).parents:  # the nearest existing ancestor must be a directory
+        if a.exists() or a.is_symlink():
+            if not a.is_dir():
+                raise click.ClickException(f"cannot write the checkpoint to --out {out}: {a} is not a directory")
+            break
+    dest = Path(os.path.realpath(out))  # a symlinked OUT: write where it points
+    if not dest.name:
+        raise click.BadParameter(f"{out!r} is the file-system root; give a directory below it", param_hint="--out")
+    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
+
+    def shown(filename) -> str:
+        """A path of an OSError as the user knows it: inside the temporary directory -> inside OUT."""
+        f = os.fsdecode(filename)
+        if f == str(tmp) or f.startswith(str(tmp) + os.sep):
+            f = os.path.join(out, os.path.relpath(f, tmp))
+        return f
+
+    def fail(e: OSError) -> click.ClickException:
+        where = shown(e.filename) if e.filename else None
+        same = where is None or os.path.normpath(where) in (os.path.normpath(out), str(dest))
+        return click.ClickException(f"cannot write the checkpoint to --out {out}: {e.strerror or e}"
+                                    + ("" if same else f" ({where})"))
+
     try:
-        res = write_checkpoint(preset(preset_name), out, seed, tokenizer="skip" if no_tokenizer else "require",
-                               max_shard_bytes=shard_bytes, max_shards=max_shards, workers=workers,
-                               log=click.echo)
+        entries = sorted(p.name for p in dest.iterdir()) if dest.is_dir() else []
+    except OSError as e:
+        raise fail(e) from None
+    if entries and not force:
+        raise click.BadParameter(f"directory {out} is not empty ({len(entries)} entries, e.g. {entries[0]!r}); "
+                                 "pass --force to replace it", param_hint="--out")
+    try:
+        try:
+            res = write_checkpoint(preset(preset_name), tmp, seed, tokenizer="skip" if no_tokenizer else "require",
+                                   max_shard_bytes=shard_bytes, max_shards=max_shards, workers=workers,
+                                   log=click.echo)
+        except RuntimeError as e:  # the tokenizer writer is unavailable
+            raise click.ClickException(f"cannot write the checkpoint to --out {out}: {e}") from None
+        if entries:  # --force: move the old directory aside, the new one in, then delete the old one
+            old = dest.parent / f".{dest.name}.old-{os.getpid()}"
+            os.rename(dest, old)
+            try:
+                os.rename(tmp, dest)
+            except OSError:
+                os.rename(old, dest)
+                raise
+            _remove(old)
+        else:  # absent or empty: one rename (replaces an empty directory; fails if OUT filled up meanwhile)
+            os.rename(tmp, dest)
     except OSError as e:  # unwritable or full destination: one line naming the path, non-zero exit
-        raise click.ClickException(f"cannot write the checkpoint to --out {out}: {e.strerror or e} "
-                                   f"({e.filename or out})") from None
+        raise fail(e) from None
+    finally:
+        _remove(tmp)
     done = "partial " if max_shards else ""
     click.echo(f"wrote {done}{preset_name} checkpoint (seed {seed}) to {out}: {res['shards']} shard(s), "
                f"{res['bytes'] / 1e9:.3f} GB of tensors in {res['seconds']:.1f} s "

@@ -195,7 +195,8 @@ def test_stop_token_and_stop_string(text_layer):
                        (["of it"], "Hello world. The end ")):
         eng.executor.script = body + [IM_END_ID]
         deltas, r = _drain(eng.generate([7, 8], max_new_tokens=100, stop=stop))
-        assert r.finish_reason == "stop_string" and r.text == want == "".join(d.text for d in deltas), stop
+        assert (r.finish_reason, r.stop_reason) == ("stop", stop[0]), stop
+        assert r.text == want == "".join(d.text for d in deltas), stop
         assert IM_END_ID not in r.ids
     eng.executor.script = body
     assert eng.generate([7, 8], max_new_tokens=len(body), stop=["absent"]).result().text == "Hello world. The end of it"
@@ -204,7 +205,7 @@ def test_stop_token_and_stop_string(text_layer):
 def test_capacity_and_prompt_limits(text_layer):
     eng = _hash_engine(text_layer, capacity=20)
     r = eng.generate(list(range(100, 115)), max_new_tokens=50, stop_ids=[]).result()
-    assert r.finish_reason == "capacity" and len(r.ids) == 20 - 15 + 1
+    assert (r.finish_reason, r.finish_detail) == ("length", "capacity") and len(r.ids) == 20 - 15 + 1
     eng.generate(list(range(100, 120)), max_new_tokens=1).result()           # exactly full: allowed
     with pytest.raises(PromptTooLong):
         eng.generate(list(range(100, 121)), max_new_tokens=1)
@@ -393,7 +394,7 @@ def test_gpu_executors_refuse_without_gpu(kind, tiny_ckpt):
         pytest.skip("a GPU is present")
     with pytest.raises(ExecutorUnavailable, match="needs an NVIDIA GPU"):
         Engine.load(tiny_ckpt, kind)
-    with pytest.raises(ExecutorUnavailable, match="unknown executor"):
+    with pytest.raises(InvalidArgument, match="executor: expected one of"):  # a bad name is not "unavailable"
         Engine.load(tiny_ckpt, "tpu")
 
 
