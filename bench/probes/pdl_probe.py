@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.harness import H200_READ_GBPS, bandwidth, events_ms, replay_times_ms, result_file  # noqa: E402
+from bench.harness import bandwidth, replay_times_ms, result_file, step_variant_rounds  # noqa: E402
 from loader.config import FIRST_PADDING_ID, preset  # noqa: E402
 from loader.synthetic import SyntheticWeights  # noqa: E402
 
@@ -111,23 +111,8 @@ def step_timing(cfg, w, reps: int, log) -> list[dict]:
         st.reset(pos=CTX, tokens=(FIRST_TOKEN,))
         st.capture()
         steps[name] = st
-    floor_ms = cfg.weight_bytes_per_token / (H200_READ_GBPS * 1e9) * 1e3
-    nbytes = cfg.weight_bytes_per_token + CTX * cfg.kv_bytes_per_token
-    rows = []
-    for rnd in range(2):
-        for name, st in steps.items():
-            s = st.stream
-            with s:
-                st.reset(pos=CTX, tokens=(FIRST_TOKEN,))
-                med = float(np.median(replay_times_ms(st._graph, s, 3, reps)))
-                st.reset(pos=CTX, tokens=(FIRST_TOKEN,))
-                loop = events_ms(s, lambda: [st._graph.launch(s) for _ in range(reps)], reps)
-            r = {"name": f"decode step, CUDA graph, pdl={name}", "shape": f"{cfg.name} context {CTX}", "M": 1,
-                 "round": rnd, "pdl": name, "graph_ms_median": round(med, 4), "graph_ms_loop": round(loop, 4),
-                 "ms": round(loop, 4), "bytes": nbytes, "correct": True, "vs_floor": round(loop / floor_ms, 3),
-                 **bandwidth(nbytes, loop)}
-            log(r)
-            rows.append(r)
+    rows = step_variant_rounds(cfg, steps, reps, CTX, FIRST_TOKEN, lambda name: {
+        "name": f"decode step, CUDA graph, pdl={name}", "pdl": name}, log)
     steps.clear()
     return rows
 
