@@ -200,10 +200,12 @@ def demangle(symbol: str) -> str:
 # mk_main's spills). A hot kernel over its budget, or using local memory without one, fails. Lower a budget when
 # a debt shrinks; raising one is a decision to write down in docs/megakernel.md, never a way to pass.
 LOCAL_BUDGETS: dict[str, dict] = {
-    "mk_main": {"stack_frame": 336, "spill_stores": 348, "spill_loads": 608, "lmem": 0,
+    "mk_main": {"stack_frame": 408, "spill_stores": 412, "spill_loads": 740, "lmem": 0,
                 "why": "128-register cap (512 threads, one block per SM) with the GDN and attention device functions "
-                       "inlined: measured 268-348 B spill stores; __noinline__ cold opcodes spill less (88 B in "
-                       "mk_main) but ran 0.3 ms/token slower (docs/megakernel.md)"},
+                       "inlined: measured 284-412 B spill stores; __noinline__ cold opcodes spill less (88 B in "
+                       "mk_main) but ran 0.3 ms/token slower. Raised in session 4 for the fused-reduce build only "
+                       "(348/608 -> 412/740 with the unmasked activation load; the default 27B builds are 300/528 "
+                       "and 308/552; docs/megakernel.md)"},
     "qmk_attn_prep": {"stack_frame": 40, "spill_stores": 0, "spill_loads": 0, "lmem": 0,
                       "why": "the double-precision sin/cos of RoPE keep the argument-reduction slow path "
                              "(__internal_trig_reduction_slowpathd, a 40-byte local array), taken only for huge "

@@ -10,6 +10,10 @@ captured into a CUDA graph.
 ``Gemv(..., norm_weight=w)`` fuses the (1+w) RMSNorm of x into the launch (``*_norm_partial`` kernels): every
 block normalises x into shared memory with the standalone norm kernel's device function (same bits), block 0
 stores the normed rows where the caller asks (``normed=``), and the GEMV runs on them.
+
+M = 1 launches of fp8 shapes with long warp tasks (≥ ``M1_MIN_UNITS`` K-blocks: gate|up, down) use the
+``*_m1`` kernels (M fixed at compile time, shared-memory weight ring of ``M1_RING``), measured faster there
+(docs/kernels-gemv.md run 8); same bits as the general kernels.
 """
 from __future__ import annotations
 
@@ -28,6 +32,10 @@ RING_MAX = 0         # default QMK_GEMV_RING_MAX of kernels/gemv.cuh: 0 = regist
 RING_LIMIT = 8       # deepest shared-memory weight ring the kernel supports (units per warp)
 UNIT_BYTES = 2048    # QMK_GEMV_UNIT_BYTES: one ring slot per warp (16 rows x 128 B of weights)
 NORM_STATIC_SMEM = 8 * 32  # static shared bytes of the *_norm_partial kernels (double red[warps ≤ 32])
+M1_RING = 2          # ring depth of the fp8 M = 1 kernels (*_m1, always the shared-memory ring): 2 measured
+                     # fastest (session 4, bench/probes/gemv_probe.py --ring; docs/kernels-gemv.md run 8)
+M1_MIN_UNITS = 16    # ... used for shapes whose warp tasks span ≥ this many K-blocks (gate|up 40, down 17):
+                     # faster there, slower than the register tile on short tasks (z/out/o 5-6, q|k|v 10; run 8)
 FUSE_MAX_SPLIT = 8   # __call__ fuses the reduce for M = 1 and S ≤ this (measured: faster there, slower at M = 8
                      # and at S = 40; docs/kernels-gemv.md run 4)
 
@@ -116,14 +124,27 @@ class Gemv:
             check_array(norm_weight, f"{name}.norm_weight (bf16 bits)", np.uint16, (K,), align=2)
             xs_max = MAX_ROWS * K * 2
             optin -= xs_max + NORM_STATIC_SMEM
-        self.ring, self.smem = ring_depth(int((slices[:, 1] - slices[:, 0]).max()), warps, int(optin), ring_max)
+        tasks = int((slices[:, 1] - slices[:, 0]).max())
+        self.ring, self.smem = ring_depth(tasks, warps, int(optin), ring_max)
         self.counters = cp.zeros(self.n_out // ROW_TILE, cp.uint32)  # fused reduce: arrivals per output tile
         mod = module(cfg, defines)
         kind = "fp8" if self.fp8 else "bf16"
-        raw = mod.get_function(f"gemv_{kind}_norm_partial" if norm_weight is not None else f"gemv_{kind}_partial")
+        kname = f"gemv_{kind}_norm_partial" if norm_weight is not None else f"gemv_{kind}_partial"
+        raw = mod.get_function(kname)
         _allow_smem(raw, self.smem + xs_max)
         self.pdl = bool(pdl)
         self._partial = Kernel(raw, self.pdl, f"{name}.partial")
+        # M = 1 (decode): the fp8 kernels' *_m1 build (M fixed at compile time, shared-memory ring of M1_RING)
+        self._partial_m1 = None
+        self.use_m1 = self.fp8 and (K // 128) // self.split >= M1_MIN_UNITS
+        m1_knob = int((defines or {}).get("QMK_GEMV_M1", -1))  # benchmarks: 0 never, 1 always, -1 by the rule
+        if m1_knob >= 0:
+            self.use_m1 = self.fp8 and bool(m1_knob)
+        if self.use_m1:
+            self.ring_m1, self.smem_m1 = ring_depth(tasks, warps, int(optin), M1_RING)
+            raw1 = mod.get_function(kname + "_m1")
+            _allow_smem(raw1, self.smem_m1 + xs_max)
+            self._partial_m1 = Kernel(raw1, self.pdl, f"{name}.partial_m1")
         self._reduce = Kernel(mod.get_function("gemv_reduce"), self.pdl, f"{name}.reduce")
 
     @property
@@ -176,15 +197,17 @@ class Gemv:
         n = np.int32
         M = int(x.shape[0])
         head = (self.w, self.scale) if self.fp8 else (self.w,)
-        smem = self.smem
+        m1 = M == 1 and self._partial_m1 is not None
+        kernel, ring, smem = (self._partial_m1, self.ring_m1, self.smem_m1) if m1 else \
+            (self._partial, self.ring, self.smem)
         if self.norm_weight is not None:  # x, RMSNorm weight, normed-rows store, byte offset of xs after the ring
-            head += (x, self.norm_weight, normed if normed is not None else NULL, n(self.smem))
+            head += (x, self.norm_weight, normed if normed is not None else NULL, n(smem))
             smem += M * self.K * 2
         else:
             head += (x,)
-        args = head + (n(M), n(self.N), n(self.K), n(self.split), self.slices, P, n(self.ring), n(epi),
+        args = head + (n(M), n(self.N), n(self.K), n(self.split), self.slices, P, n(ring), n(epi),
                        residual, out, counters)
-        self._partial((len(self.slices),), (self.threads,), args, shared_mem=smem)
+        kernel((len(self.slices),), (self.threads,), args, shared_mem=smem)
 
     def _check_x(self, x, normed=None) -> int:
         check_array(x, f"{self.name}: x (bf16 bits)", np.uint16)

@@ -40,6 +40,9 @@ struct MkSmemTail {
   int flag;                                  // persistent loop: broadcast of "run the next step"
 };
 #define MK_XN_BYTES (QMK_MAX_ROWS * QMK_HIDDEN * 2)
+#ifndef QMK_MK_M1
+#define QMK_MK_M1 0  // 1: GEMV tiles built for M = 1 rows (mk_tile)
+#endif
 #ifndef QMK_MK_RING
 #define QMK_MK_RING 0  // GEMV weight ring slots per warp (gemv.cuh qmk_gemv_tile_ring); 0: register-ring tile
 #endif
@@ -79,15 +82,17 @@ __device__ __forceinline__ int mk_pos(const MkParams& P) {
 // One 16-row tile of weight W (fp8 block-scaled or bf16) over K-blocks [kb0, kb1): the shared gemv.cuh tile
 // (with QMK_MK_RING ≥ 2 its cp.async shared-memory ring variant, bit-identical; this warp's ring at `ring`;
 // issued: mk_gemv_prefetch already started this tile's first units).
+// QMK_MK_M1 = 1 (the runner's build for 1-row programs): the tile is built for M = 1 (gemv.cuh MC; measured
+// faster in the discrete kernels, session 4), and mk_gemv refuses an instruction of M != 1 (error 5).
 __device__ __forceinline__ void mk_tile(float (&acc)[4], const MkWeight& W, const qmk_u16* x, int M, int row0,
                                         int kb0, int kb1, qmk_u32 ring, bool issued = false) {
 #if QMK_MK_RING >= 2
   if (W.fp8)
-    qmk_gemv_tile_ring<QMK_W_FP8>(acc, (const void*)W.ptr, (const qmk_u16*)W.scale, x, M, W.cols, row0, kb0, kb1,
-                                  ring, QMK_MK_RING, issued);
+    qmk_gemv_tile_ring<QMK_W_FP8, QMK_MK_M1>(acc, (const void*)W.ptr, (const qmk_u16*)W.scale, x, M, W.cols, row0,
+                                             kb0, kb1, ring, QMK_MK_RING, issued);
   else
-    qmk_gemv_tile_ring<QMK_W_BF16>(acc, (const void*)W.ptr, nullptr, x, M, W.cols, row0, kb0, kb1, ring, QMK_MK_RING,
-                                   issued);
+    qmk_gemv_tile_ring<QMK_W_BF16, QMK_MK_M1>(acc, (const void*)W.ptr, nullptr, x, M, W.cols, row0, kb0, kb1, ring,
+                                              QMK_MK_RING, issued);
 #else
   (void)ring; (void)issued;
   if (W.fp8)
@@ -146,6 +151,7 @@ __device__ void mk_gemv(const MkParams& P, const int* w, qmk_u16* xn, MkSmemTail
     const uint4* src = reinterpret_cast<const uint4*>(x);
     for (int i = threadIdx.x; i < M * K / 8; i += MK_THREADS) dst[i] = src[i];
   }
+  if (QMK_MK_M1 && M != 1 && threadIdx.x == 0) mk_fail(P, MK_ERR_M1, M);
   const int F = N >> 1, per = (K / QMK_KBLK) / S, kb0 = s * per, kb1 = kb0 + per;
   const int tiles = (r1 - r0) / QMK_ROW_TILE;
   if (S > 1) {

@@ -37,7 +37,8 @@ DEFAULT_FUSE = False  # Megakernel's default program: GEMV_REDUCE instructions (
 PREFETCH = 1         # QMK_MK_PREFETCH: a GEMV issues its first RING - 1 ring units before waiting for its input
 ERRORS = {1: "unknown opcode", 2: "unsupported GEMV prologue (MTP concat)",
           3: "bad row range",
-          4: "fused split-K reduce in the program, but the module was built without it"}
+          4: "fused split-K reduce in the program, but the module was built without it",
+          5: "a GEMV of M != 1 rows, but the module was built for M = 1"}
 
 _P = [(n, "<u8") for n in ("prog", "lens", "counters", "bufs", "weights", "layers", "embed", "ctrl", "page_table",
                            "inv_freq", "host", "mirror", "timing")]
@@ -57,19 +58,20 @@ def _mk_sources_hash() -> str:
 
 
 def compile_defines(cfg: ModelConfig) -> list[dict]:
-    """The builds the offline compile check (``// qmk: defines``) verifies: the fused-reduce tail built in or
-    not. The ``QMK_MK_TIMING`` build is left out to keep CI short (checked by hand: ``compile_check`` with
+    """The builds the offline compile check (``// qmk: defines``) verifies: the decode build (M = 1 tiles), the
+    M-row build, and the fused-reduce tail built in. The ``QMK_MK_TIMING`` build is left out to keep CI short (checked by hand: ``compile_check`` with
     ``mk_defines(cfg, timing=True)``)."""
-    return [mk_defines(cfg, fuse_reduce=f) for f in (False, True)]
+    return [mk_defines(cfg, fuse_reduce=f, m1=m1) for f, m1 in ((False, True), (False, False), (True, False))]
 
 
 def mk_defines(cfg: ModelConfig, timing: bool = False, extra: dict | None = None,
-               fuse_reduce: bool = DEFAULT_FUSE) -> dict:
+               fuse_reduce: bool = DEFAULT_FUSE, m1: bool = False) -> dict:
     """Extra ``QMK_*`` defines of megakernel.cu: the numerics macros of gdn.cuh / attention.cuh (from their
     launchers, so both paths compile the same code), the MkParams layout offsets (checked by static_assert),
     and a hash of the megakernel sources (so an edited header never reuses a stale cached module). Build
     knobs that never change a result: ``fuse_reduce`` (whether the fused split-K tail is compiled into the
-    GEMV instruction; a program that uses it needs it), ring depth and GEMV prefetch (``extra`` overrides)."""
+    GEMV instruction; a program that uses it needs it), ``m1`` (tiles built for M = 1; a program of more rows
+    traps with error 5), ring depth and GEMV prefetch (``extra`` overrides)."""
     from discrete import attention, gdn
     d = {**gdn.extra_defines(cfg), **attention.extra_defines(cfg)}
     d.update({"QMK_MKP_SIZE": PARAMS_DTYPE.itemsize, "QMK_MKP_OFF_PAGE_STRIDE": PARAMS_DTYPE.fields["page_stride"][1],
@@ -80,6 +82,7 @@ def mk_defines(cfg: ModelConfig, timing: bool = False, extra: dict | None = None
     d["QMK_MK_RING"] = ring_slots(cfg)
     d["QMK_MK_FUSE_REDUCE"] = int(bool(fuse_reduce))
     d["QMK_MK_PREFETCH"] = PREFETCH
+    d["QMK_MK_M1"] = int(bool(m1))  # GEMV tiles built for M = 1 (1-row programs; session 4: measured faster)
     if timing:
         d["QMK_MK_TIMING"] = 1
     d.update(extra or {})  # build knobs (e.g. QMK_MK_RING); results never depend on them
@@ -201,13 +204,14 @@ def stage_lengths(prog, stop_after: int | None) -> np.ndarray:
     return out
 
 
-def _load(cfg: ModelConfig, timing: bool, extra: dict | None = None, fuse_reduce: bool = DEFAULT_FUSE):
+def _load(cfg: ModelConfig, timing: bool, extra: dict | None = None, fuse_reduce: bool = DEFAULT_FUSE,
+          m1: bool = False):
     """The cooperative megakernel module (discrete.build.load_module). The generated isa.h / control.h include
     <cuda/std/cstdint>; should this NVRTC not find it on its own, compile once more with CuPy's bundled CCCL
     include directories added (same source text, so the same code)."""
     from discrete.build import load_module
     try:
-        mod = load_module(cfg, [str(SOURCE)], mk_defines(cfg, timing, extra, fuse_reduce), cooperative=True)
+        mod = load_module(cfg, [str(SOURCE)], mk_defines(cfg, timing, extra, fuse_reduce, m1), cooperative=True)
         mod.compile()
         return mod
     except Exception as e:
@@ -217,7 +221,7 @@ def _load(cfg: ModelConfig, timing: bool, extra: dict | None = None, fuse_reduce
         from cupy._core.core import _get_cccl_include_options
         from discrete.build import nvrtc_options, translation_unit
         print(f"megakernel: NVRTC did not find <cuda/std/...>; retrying with CuPy's CCCL includes", file=sys.stderr)
-        code = translation_unit(cfg, [str(SOURCE)], mk_defines(cfg, timing, extra, fuse_reduce))
+        code = translation_unit(cfg, [str(SOURCE)], mk_defines(cfg, timing, extra, fuse_reduce, m1))
         mod = cupy.RawModule(code=code, options=nvrtc_options() + tuple(_get_cccl_include_options()),
                              backend="nvrtc", enable_cooperative_groups=True)
         mod.compile()
@@ -269,7 +273,7 @@ class Megakernel:
         self.steps_done = 0
         self.persistent_stream = None
         # module, layout probe, occupancy
-        mod = _load(cfg, timing, defines, self.fuse_reduce)
+        mod = _load(cfg, timing, defines, self.fuse_reduce, self.m == 1)
         self.kernel = mod.get_function("mk_main")
         probe = cp.zeros(8, cp.int64)
         mod.get_function("mk_layout")((1,), (32,), (probe,))
@@ -600,8 +604,9 @@ def warm_jobs(preset: str) -> list[tuple]:
     from discrete.step import control_defines
     from loader.config import preset as get_preset
     cfg = get_preset(preset)
-    mk = [(preset, [str(SOURCE)], {"fuse_reduce": f, "timing": t}, True)
-          for f, t in ((True, False), (False, False), (DEFAULT_FUSE, True))]
+    mk = [(preset, [str(SOURCE)], {"fuse_reduce": f, "timing": t, "m1": m1}, True)
+          for f, t, m1 in ((True, False, True), (DEFAULT_FUSE, False, True), (True, False, False),
+                           (DEFAULT_FUSE, False, False), (DEFAULT_FUSE, True, True))]
     return mk + [(preset, ["gemv.cu"], None, False), (preset, ["lm_head.cu"], {"QMK_TOPK": TOPK, **DEFAULT_DEFINES}, False),
             (preset, ["embed.cu"], None, False), (preset, ["gdn.cu"], gdn.extra_defines(cfg), False),
             (preset, ["attention.cu"], attention.extra_defines(cfg), False),
@@ -615,7 +620,8 @@ def _warm_one(job) -> str:
     t = time.perf_counter()
     try:
         if job[3]:  # the megakernel: job[2] = _load's knobs
-            _load(get_preset(job[0]), job[2]["timing"], job[2].get("extra"), job[2]["fuse_reduce"])
+            _load(get_preset(job[0]), job[2]["timing"], job[2].get("extra"), job[2]["fuse_reduce"],
+                  job[2].get("m1", False))
         else:
             load_module(get_preset(job[0]), job[1], job[2]).compile()
         return f"{job[0]} {Path(job[1][0]).name} {job[2] if job[3] else ''} " \

@@ -58,8 +58,14 @@ def main(argv=None) -> int:
     ap.add_argument("--bulk", action="store_true", help="--ncu-target: the bulk-staged kernel")
     ap.add_argument("--quick", action="store_true", help="skip the read-only probes (run 6 part 1)")
     ap.add_argument("--bulk-variants", action="store_true", help="build variants of the bulk kernel (run 6 part 3)")
+    ap.add_argument("--runs", action="store_true", help="per-row run length probes (session 4)")
+    ap.add_argument("--ring", action="store_true", help="ring-tile knobs: where the math costs (session 4)")
     a = ap.parse_args(argv)
     cfg = preset("qwen3.5-27b")
+    if a.runs:
+        return run_length(cfg, a.out)
+    if a.ring:
+        return ring_knobs(cfg, a.out, a.quick)
     if a.ncu_target:
         for name in ("gate_up", "gdn_z"):
             N, K, S = SHAPES[name]
@@ -200,6 +206,154 @@ def main(argv=None) -> int:
         cp.get_default_memory_pool().free_all_blocks()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "gemv_probe.json").write_text(json.dumps(res, indent=1))
+    return 0
+
+
+# (kernel, warps): RUN bytes per row per batch, D batches in flight per warp (gemv_probe.cu, session 4)
+RUN_SHAPES = {"gate_up": (34816, 5120, 1), "down_s4": (5120, 17408, 4), "gdn_qkv_s2": (10240, 5120, 2),
+              "gdn_z_s2": (6144, 5120, 2)}
+RUN_CONFIGS = [("probe_tile_read2", 28), ("probe_run_reg_128_2_896", 28), ("probe_run_reg_128_4_512", 16),
+               ("probe_run_reg_256_2_512", 16), ("probe_run_reg_128_8_384", 12), ("probe_run_reg_512_2_384", 12),
+               ("probe_run_cp_128_2", 16), ("probe_run_cp_128_2", 28), ("probe_run_cp_128_4", 16),
+               ("probe_run_cp_256_2", 16), ("probe_run_cp_512_1", 16), ("probe_run_cp_128_6", 16),
+               ("probe_run_cp_256_3", 16), ("probe_run_cp_512_2", 12), ("probe_run_cp_1024_1", 12),
+               ("probe_run_cp_512_2", 8), ("probe_run_cp_256_2", 28), ("probe_run_cp_128_4", 28)]
+
+
+def run_length(cfg, out_dir) -> int:
+    """Read-only probes of the per-row run length (gemv_probe.cu, session 4) on the production task partition."""
+    import cupy as cp
+    mod = module(cfg)
+    sink = cp.zeros(4, cp.uint32)
+    rows = []
+    for name, (N, K, S) in RUN_SHAPES.items():
+        nb = N * K
+        ws = [w for w, _ in weights(cp, N, K, copies_for(nb))]
+        slices = cp.asarray(gemv_slices(N, K, S))
+        for kern, warps in RUN_CONFIGS:
+            run, d = (128, 2) if kern == "probe_tile_read2" else map(int, kern.split("_")[3:5])
+            if (K // S) % run:
+                continue
+            smem = d * 16 * run * warps if "_cp_" in kern else 0
+            f = mod.get_function(kern)
+            if smem > 48 * 1024:
+                f.max_dynamic_shared_size_bytes = smem
+            t = time_rotation([lambda w=w: f((132,), (32 * warps,), (w, np.int32(K), np.int32(S), slices, sink),
+                                             shared_mem=smem) for w in ws])
+            r = {"kernel": kern, "shape": name, "warps": warps, "run_bytes": run, "batches_in_flight": d,
+                 "inflight_kb_per_sm": d * 16 * run * warps // 1024, "us": round(t["median_ms"] * 1e3, 2),
+                 **bandwidth(nb, t["median_ms"])}
+            rows.append(r)
+            print(f"{name:11s} {kern:26s} w{warps:2d} run {run:4d} D {d} inflight {r['inflight_kb_per_sm']:4d} KB "
+                  f"{r['us']:8.2f} us {r['pct_of_4468']:6.1f} %", flush=True)
+        del ws
+        cp.get_default_memory_pool().free_all_blocks()
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / "gemv_run_length.json").write_text(json.dumps({"meta": device_meta(), "rows": rows}, indent=1))
+    return 0
+
+
+RING_SHAPES = {"gate_up": (34816, 5120, 1), "down": (5120, 17408, 8), "down_s4": (5120, 17408, 4),
+               "gdn_qkv": (10240, 5120, 4), "gdn_z": (6144, 5120, 8), "gdn_z_s2": (6144, 5120, 2),
+               "attn_qkv": (14336, 5120, 4), "out_o": (5120, 6144, 8)}
+RING_FLAGS = {0: "ring tile", 1: "x in smem", 2: "no widening", 4: "no mma", 8: "mma non-volatile",
+              9: "x smem + mma nv", 3: "x smem + no widening", 6: "no widening, no mma", 16: "x only for g < M"}
+
+
+def ring_knobs(cfg, out_dir, a_quick=False) -> int:
+    """The ring tile's loop with parts switched off (gemv_probe.cu probe_ring_F), per ring depth R."""
+    import cupy as cp
+    from discrete.gemv import Gemv
+    mod = module(cfg, {"QMK_GEMV_RING_MAX": 2})  # gemv_fp8_partial here = the ring build
+    rows = []
+    xg = np.random.default_rng(0).standard_normal((1, 17408)).astype(np.float32)
+    for name, (N, K, S) in RING_SHAPES.items():
+        nb = N * K + (-(-N // 128)) * (K // 128) * 2
+        ws = weights(cp, N, K, copies_for(nb))
+        x = cp.asarray((xg[:, :K].view(np.uint32) >> 16).astype(np.uint16))
+        sl_host = gemv_slices(N, K, S)
+        slices = cp.asarray(sl_host)
+        tasks = int((sl_host[:, 1] - sl_host[:, 0]).max())
+        warps = min(28, tasks)
+        P = cp.zeros(S * N, cp.float32)
+        gs = [Gemv(cfg, w, sc, split=S, name=name) for w, sc in ws]
+        want = gs[0].partial(x, P).copy()
+        t = time_rotation([lambda g=g: g.partial(x, P) for g in gs])
+        rows.append({"flags": None, "variant": "production register tile", "shape": name, "S": S,
+                     "us": round(t["median_ms"] * 1e3, 2), **bandwidth(nb, t["median_ms"])})
+        print(f"{name:9s} S{S} production register tile {rows[-1]['us']:8.2f} us {rows[-1]['pct_of_4468']:6.1f} %")
+        del gs
+
+        def go(F, R, w):
+            smem = warps * R * 2048 + 2 * K
+            f = mod.get_function(f"probe_ring_{F}")
+            if f.max_dynamic_shared_size_bytes < smem:
+                f.max_dynamic_shared_size_bytes = smem
+            f((132,), (32 * warps,), (w[0], w[1], x, np.int32(N), np.int32(K), np.int32(S), slices, P, np.int32(R)),
+              shared_mem=smem)
+
+        depths = [R for R in (2, 3, 4, 6, 8) if warps * R * 2048 + 2 * K <= 227 * 1024]
+        for nw in (warps, 28):  # the production tile function, launched with min(28, tasks) or 28 warps
+            smem = 28 * 2 * 2048
+            f = mod.get_function("probe_prod_ring")
+            if f.max_dynamic_shared_size_bytes < smem:
+                f.max_dynamic_shared_size_bytes = smem
+            launch = lambda w, nw=nw, f=f, smem=smem: f(
+                (132,), (32 * nw,), (w[0], w[1], x, np.int32(N), np.int32(K), np.int32(S), slices, P, np.int32(2)),
+                shared_mem=smem)
+            P[:] = np.nan
+            launch(ws[0])
+            same = bool(cp.array_equal(P.view(cp.uint32), want.reshape(-1).view(cp.uint32)))
+            t = time_rotation([lambda w=w: launch(w) for w in ws])
+            rows.append({"flags": None, "variant": f"production ring tile, {nw} warps", "shape": name, "S": S,
+                         "warps": nw, "R": 2, "us": round(t["median_ms"] * 1e3, 2), **bandwidth(nb, t["median_ms"]),
+                         "bit_identical": same})
+            print(f"{name:9s} S{S} w{nw:2d} R2 production ring tile {rows[-1]['us']:8.2f} us "
+                  f"{rows[-1]['pct_of_4468']:6.1f} %  same={same}", flush=True)
+        # session 4: M at run time; the production kernel (gemv_fp8_partial, ring 2, partials only) launched
+        # directly with the Gemv's shared-memory size or with 112 KB
+        used = warps * 2 * 2048
+        for label, kern, smem, extra in (("probe_prod_ring_m", "probe_prod_ring_m", 28 * 4096, "M"),
+                                         ("gemv_fp8_partial smem=used", "gemv_fp8_partial", used, "prod"),
+                                         ("gemv_fp8_partial smem=112K", "gemv_fp8_partial", 28 * 4096, "prod")):
+            f = mod.get_function(kern)
+            if f.max_dynamic_shared_size_bytes < smem:
+                f.max_dynamic_shared_size_bytes = smem
+            i32 = np.int32
+            if extra == "M":
+                launch = lambda w, f=f, smem=smem: f((132,), (32 * warps,), (
+                    w[0], w[1], x, i32(1), i32(N), i32(K), i32(S), slices, P, i32(2)), shared_mem=smem)
+            else:
+                z = np.uint64(0)
+                launch = lambda w, f=f, smem=smem: f((132,), (896,), (
+                    w[0], w[1], x, i32(1), i32(N), i32(K), i32(S), slices, P, i32(2), i32(-1), z, z, z),
+                    shared_mem=smem)
+            P[:] = np.nan
+            launch(ws[0])
+            same = bool(cp.array_equal(P.view(cp.uint32), want.reshape(-1).view(cp.uint32)))
+            t = time_rotation([lambda w=w: launch(w) for w in ws])
+            rows.append({"flags": None, "variant": label, "shape": name, "S": S, "R": 2, "smem": smem,
+                         "us": round(t["median_ms"] * 1e3, 2), **bandwidth(nb, t["median_ms"]), "bit_identical": same})
+            print(f"{name:9s} S{S} {label:32s} {rows[-1]['us']:8.2f} us {rows[-1]['pct_of_4468']:6.1f} %  "
+                  f"same={same}", flush=True)
+        for F, label in RING_FLAGS.items():
+            if a_quick and F not in (0, 16):
+                continue
+            for R in (depths if F in (0, 1, 9, 16) else depths[-1:]) if not a_quick else depths[:2]:
+                P[:] = np.nan
+                go(F, R, ws[0])
+                same = bool(cp.array_equal(P.view(cp.uint32), want.reshape(-1).view(cp.uint32))) \
+                    if F in (0, 1, 8, 9, 16) else None
+                t = time_rotation([lambda w=w: go(F, R, w) for w in ws])
+                r = {"flags": F, "variant": label, "shape": name, "S": S, "warps": warps, "R": R,
+                     "us": round(t["median_ms"] * 1e3, 2), **bandwidth(nb, t["median_ms"]), "bit_identical": same}
+                rows.append(r)
+                print(f"{name:9s} S{S} w{warps:2d} R{R} {label:22s} {r['us']:8.2f} us {r['pct_of_4468']:6.1f} %  "
+                      f"same={same}", flush=True)
+        del ws
+        cp.get_default_memory_pool().free_all_blocks()
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / "gemv_ring_knobs.json").write_text(json.dumps({"meta": device_meta(), "rows": rows}, indent=1))
     return 0
 
 

@@ -28,14 +28,15 @@ PRESET, CTX = "qwen3.5-27b", 1024
 
 
 def variants() -> list[tuple[str, bool, dict]]:
-    """(name, fuse_reduce, extra defines) in timing order; the first is session 2's default build."""
-    r3 = {"QMK_MK_RING": 3, "QMK_MK_FUSE_REDUCE": 0}
+    """(name, fuse_reduce, extra defines) in timing order; the first is the default build. Session 4: the
+    activation load of the GEMV tile unmasked (QMK_GEMV_X_MASK=0) or branched as before (2); tiles built for
+    M = 1 (QMK_MK_M1)."""
     return [
-        ("s2_default_fused_r3", True, {"QMK_MK_RING": 3, "QMK_MK_FUSE_REDUCE": 1, "QMK_MK_PREFETCH": 0}),
-        ("reduce_instr_r3", False, {**r3, "QMK_MK_PREFETCH": 0}),
-        ("reduce_instr_r3_prefetch", False, {**r3, "QMK_MK_PREFETCH": 1}),
-        ("reduce_instr_r2_prefetch", False, {**r3, "QMK_MK_RING": 2, "QMK_MK_PREFETCH": 1}),
-        ("fused_r3_prefetch", True, {"QMK_MK_RING": 3, "QMK_MK_FUSE_REDUCE": 1, "QMK_MK_PREFETCH": 1}),
+        ("xbranch_s3", False, {"QMK_GEMV_X_MASK": 2}),
+        ("xnomask", False, {"QMK_GEMV_X_MASK": 0}),
+        ("xnomask_m1", False, {"QMK_GEMV_X_MASK": 0, "QMK_MK_M1": 1}),
+        ("xnomask_m1_ring2", False, {"QMK_GEMV_X_MASK": 0, "QMK_MK_M1": 1, "QMK_MK_RING": 2}),
+        ("xbranch_m1", False, {"QMK_GEMV_X_MASK": 2, "QMK_MK_M1": 1}),
     ]
 
 

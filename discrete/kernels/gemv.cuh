@@ -70,15 +70,42 @@ __device__ __forceinline__ void qmk_gemv_load_unit(uint4 (&w)[4], const qmk_u8* 
     w[3] = qmk_ld_stream16(p + row8 + 64);
 }
 
-// The activation chunks of unit u for lane c (zeros for rows ≥ M: B's column then contributes nothing).
+// The activation chunks of unit u for lane c. QMK_GEMV_X_MASK = 0 (default): every lane loads its row
+// min(g, M-1) (the caller's xrow), so B's columns ≥ M repeat row M-1; an mma output column depends only on its
+// own B column, so columns < M are the same bits either way and the columns ≥ M are never stored. No branch and
+// no masking in the hot loop (session 4, bench/probes/gemv_probe.py --ring: the widening already loads the ALU
+// pipe, and masking or branching cost 2-4 points on gate|up). 1: rows ≥ M zeroed by a mask; 2: the load skipped
+// for rows ≥ M (before session 4). xvalid (g < M) matters only for 1 and 2.
+#ifndef QMK_GEMV_X_MASK
+#define QMK_GEMV_X_MASK 0
+#endif
 template <int WK>
 __device__ __forceinline__ void qmk_gemv_load_x(uint4 (&xv)[4 / QmkGemvTraits<WK>::UPK], const qmk_u16* xrow,
                                                 bool xvalid, int u, int c) {
     constexpr int UPK = QmkGemvTraits<WK>::UPK, NX = 4 / UPK;
     const int kb = u / UPK, h = u - kb * UPK;
 #pragma unroll
-    for (int i = 0; i < NX; ++i)
-        xv[i] = xvalid ? qmk_ld16(xrow + kb * QMK_KBLK + QmkGemvTraits<WK>::xoff(NX * h + i, c)) : make_uint4(0, 0, 0, 0);
+    for (int i = 0; i < NX; ++i) {
+        const qmk_u16* p = xrow + kb * QMK_KBLK + QmkGemvTraits<WK>::xoff(NX * h + i, c);
+#if QMK_GEMV_X_MASK == 1
+        const qmk_u32 keep = xvalid ? 0xFFFFFFFFu : 0u;
+        const uint4 v = qmk_ld16(p);
+        xv[i] = make_uint4(v.x & keep, v.y & keep, v.z & keep, v.w & keep);
+#elif QMK_GEMV_X_MASK == 2
+        xv[i] = xvalid ? qmk_ld16(p) : make_uint4(0, 0, 0, 0);
+#else
+        xv[i] = qmk_ld16(p);
+#endif
+    }
+}
+
+// Row of x that lane row g reads (see qmk_gemv_load_x): g, or M-1 for g ≥ M (QMK_GEMV_X_MASK 0), or 0 (1, 2).
+__device__ __forceinline__ int qmk_gemv_xrow(int g, int M) {
+#if QMK_GEMV_X_MASK == 0
+    return g < M ? g : M - 1;
+#else
+    return g < M ? g : 0;
+#endif
 }
 
 // The mma steps of one unit into d (fp8: steps 0..7; bf16 half h: steps 4h..4h+3), activation chunks given.
@@ -114,9 +141,12 @@ __device__ __forceinline__ void qmk_gemv_unit_mma(float (&d)[4], const uint4 (&w
 // One warp: 16-row tile at row0 over K-blocks [kb0, kb1) of a [N, K] weight. Returns the fp32 accumulator
 // fragment: acc[0], acc[1] = rows row0+g, activation rows 2c, 2c+1; acc[2], acc[3] = rows row0+g+8 (g = lane/4).
 // QMK_GEMV_STAGES units are loaded ahead (a register ring); per K-block d starts at 0 and is folded into acc.
-template <int WK>
+// MC > 0: the row count as a compile-time constant (M is then ignored; session 4: the M = 1 build streams 3-5
+// points faster, bench/probes/gemv_probe.py --ring); same bits as MC = 0 with M = MC.
+template <int WK, int MC = 0>
 __device__ __forceinline__ void qmk_gemv_tile(float (&acc)[4], const void* W, const qmk_u16* scale, const qmk_u16* x,
-                                              int M, int K, int row0, int kb0, int kb1) {
+                                              int M_, int K, int row0, int kb0, int kb1) {
+    const int M = MC > 0 ? MC : M_;
     constexpr int D = QMK_GEMV_STAGES, UPK = QmkGemvTraits<WK>::UPK;
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const size_t rowbytes = (size_t)K * QmkGemvTraits<WK>::ESIZE;
@@ -124,7 +154,7 @@ __device__ __forceinline__ void qmk_gemv_tile(float (&acc)[4], const void* W, co
     const size_t row8 = 8 * rowbytes;
     const qmk_u16* srow = WK == QMK_W_FP8 ? scale + (size_t)(row0 / QMK_KBLK) * (K / QMK_KBLK) : scale;
     const bool xvalid = g < M;
-    const qmk_u16* xrow = x + (size_t)(xvalid ? g : 0) * K;
+    const qmk_u16* xrow = x + (size_t)qmk_gemv_xrow(g, M) * K;
     acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
     const int u0 = kb0 * UPK, u1 = kb1 * UPK;
     uint4 w[D][4];
@@ -300,10 +330,11 @@ __device__ __forceinline__ void qmk_gemv_ring_prologue(const void* W, int K, int
 // caller already ran qmk_gemv_ring_prologue for this tile (same arguments; nothing else of this thread in
 // flight). (A variant that tracked the issued count to decouple the prefetch depth from the steady-state lead
 // measured 0.5-1 ms/token slower in the megakernel, session 3: bench/probes/mk_variants.py.)
-template <int WK>
+template <int WK, int MC = 0>  // MC: as qmk_gemv_tile
 __device__ __forceinline__ void qmk_gemv_tile_ring(float (&acc)[4], const void* W, const qmk_u16* scale,
-                                                   const qmk_u16* x, int M, int K, int row0, int kb0, int kb1,
+                                                   const qmk_u16* x, int M_, int K, int row0, int kb0, int kb1,
                                                    qmk_u32 ring, int R, bool issued = false) {
+    const int M = MC > 0 ? MC : M_;
     constexpr int UPK = QmkGemvTraits<WK>::UPK;
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const size_t rowbytes = (size_t)K * QmkGemvTraits<WK>::ESIZE;
@@ -311,7 +342,7 @@ __device__ __forceinline__ void qmk_gemv_tile_ring(float (&acc)[4], const void* 
     const size_t row8 = 8 * rowbytes;
     const qmk_u16* srow = WK == QMK_W_FP8 ? scale + (size_t)(row0 / QMK_KBLK) * (K / QMK_KBLK) : scale;
     const bool xvalid = g < M;
-    const qmk_u16* xrow = x + (size_t)(xvalid ? g : 0) * K;
+    const qmk_u16* xrow = x + (size_t)qmk_gemv_xrow(g, M) * K;
     const qmk_u32 mine = ring + 16 * lane;
     acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
     const int u0 = kb0 * UPK, u1 = kb1 * UPK;
@@ -346,7 +377,15 @@ __device__ __forceinline__ void qmk_gemv_tile_ring(float (&acc)[4], const void* 
 // fixed split order and rounding as gemv_reduce, so the outputs are bit-identical. The last warp resets the
 // counter to 0 for the next launch. counters: uint32 [output tiles], zero before the first launch.
 // out [M, Nout] bf16 (Nout = N, or N/2 for swiglu); resid [M, N] bf16 or null, may alias out.
-__device__ __forceinline__ void qmk_gemv_finish_tile(const float* P, int S, int M, int N, int epi, int tile,
+#ifndef QMK_GEMV_FINISH_CALL
+#define QMK_GEMV_FINISH_CALL 0  // 1: the fused tail as a real call (__noinline__), out of the streaming loop's code
+#endif
+#if QMK_GEMV_FINISH_CALL
+__device__ __noinline__
+#else
+__device__ __forceinline__
+#endif
+void qmk_gemv_finish_tile(const float* P, int S, int M, int N, int epi, int tile,
                                                      unsigned int* counters, const qmk_u16* resid, qmk_u16* out) {
     const int lane = threadIdx.x & 31;
     const int nt = (epi == QMK_EPI_SWIGLU ? N >> 1 : N) / QMK_ROW_TILE;  // output tiles
@@ -373,10 +412,13 @@ __device__ __forceinline__ void qmk_gemv_finish_tile(const float* P, int S, int 
 // A whole slice on one block of 32·NWARPS threads, as qmk_gemv_slice, with the shared-memory ring (R ≥ 2;
 // R = 0: the register-ring tile) and, for epi ≥ 0, the fused reduce + epilogue. Dynamic shared memory:
 // min(NWARPS, tasks in the slice) · R · 2 KB (warp w's ring at offset w · R · 2 KB).
-template <int WK, int NWARPS>
-__device__ __forceinline__ void qmk_gemv_slice_ring(const void* W, const qmk_u16* scale, const qmk_u16* x, int M,
+// MC > 0 (the *_m1 kernels): M = MC at compile time and always the shared-memory ring (R ≥ 2), whatever
+// QMK_GEMV_RING_MAX (session 4: ring 2 with M = 1 built in measured fastest on every fp8 shape).
+template <int WK, int NWARPS, int MC = 0>
+__device__ __forceinline__ void qmk_gemv_slice_ring(const void* W, const qmk_u16* scale, const qmk_u16* x, int M_,
                                                     int N, int K, int S, QmkGemvSlice sl, float* P, int R, int epi,
                                                     const qmk_u16* resid, qmk_u16* out, unsigned int* counters) {
+    const int M = MC > 0 ? MC : M_;
     extern __shared__ __align__(16) qmk_u8 qmk_gemv_ring_smem[];
     const int warp = threadIdx.x >> 5;
     const int per = (K / QMK_KBLK) / S;
@@ -384,11 +426,10 @@ __device__ __forceinline__ void qmk_gemv_slice_ring(const void* W, const qmk_u16
     for (int t = sl.task_start + warp; t < sl.task_end; t += NWARPS) {
         const int tile = t / S, split = t - tile * S, row0 = tile * QMK_ROW_TILE;
         float acc[4];
-#if QMK_GEMV_RING_MAX >= 2
-        qmk_gemv_tile_ring<WK>(acc, W, scale, x, M, K, row0, split * per, (split + 1) * per, ring, R);
-#else
-        qmk_gemv_tile<WK>(acc, W, scale, x, M, K, row0, split * per, (split + 1) * per);
-#endif
+        if (MC > 0 || QMK_GEMV_RING_MAX >= 2)
+            qmk_gemv_tile_ring<WK, MC>(acc, W, scale, x, M, K, row0, split * per, (split + 1) * per, ring, R);
+        else
+            qmk_gemv_tile<WK>(acc, W, scale, x, M, K, row0, split * per, (split + 1) * per);
         qmk_gemv_store_partial(acc, P, M, N, split, row0);
         if (epi >= 0) qmk_gemv_finish_tile(P, S, M, N, epi, tile, counters, resid, out);
     }

@@ -190,3 +190,38 @@ def test_contract_errors(gpu):
         g.partial(cp.zeros((9, 256), cp.uint16), cp.empty(g.partials_size(9), cp.float32))
     with pytest.raises(ValueError, match="dtype"):
         g.partial(cp.zeros((1, 256), cp.float32), cp.empty(g.partials_size(1), cp.float32))
+
+
+FP8_CASES = [(p, s) for p, s in CASES if s[3]]
+
+
+@pytest.mark.parametrize("pname,shape", FP8_CASES, ids=[f"{p}-{s[0]}" for p, s in FP8_CASES])
+def test_m1_kernels_bit_identical(gpu, pname, shape):
+    """The M = 1 kernels (*_m1: M fixed at compile time, shared-memory ring; used by the M1_MIN_UNITS rule) give
+    the general kernels' bits on every fp8 shape, forced on (QMK_GEMV_M1=1) and off (0): partials, the fused
+    launch and partial + reduce, for a row taken from inside an 8-row batch. Negative control: a different row's
+    output must differ."""
+    from discrete.gemv import Gemv
+    cfg = preset(pname)
+    name, N, K, fp8, epi = shape
+    w, s, x, rng = make_case(cfg, name, N, K, fp8, seed_of(pname, name, "m1"))
+    w_d, s_d = dev(w), dev(s)
+    r = rand_bf16(rng, (1, N)) if epi == "residual" else None
+    outs = {}
+    for knob in (1, 0):
+        g = Gemv(cfg, w_d, s_d, epilogue=epi, name=name, defines={"QMK_GEMV_M1": knob})
+        assert g.use_m1 == bool(knob)
+        partials = cp.empty(g.partials_size(1), cp.float32)
+        got = {}
+        for row in (3, 5):
+            x1 = dev(x[row:row + 1])
+            partials.fill(np.float32(np.nan))
+            got[f"P{row}"] = cp.asnumpy(g.partial(x1, partials)).view(np.uint32)
+            for fused in (True, False):
+                out = cp.full((1, g.n_out), 0x7FC0, cp.uint16)
+                g(x1, out, partials, residual=dev(r) if r is not None else None, fused=fused)
+                got[f"out{row}_{fused}"] = cp.asnumpy(out)
+        outs[knob] = got
+    for k, v in outs[0].items():
+        assert np.array_equal(outs[1][k], v), f"{pname}/{name}: {k} differs between the M=1 and general kernels"
+    assert not np.array_equal(outs[1]["out3_True"], outs[1]["out5_True"]), "negative control: rows 3 and 5 agree"
