@@ -53,8 +53,7 @@ def check_rows(out_u16, w, s, x, rows, S):
 
 # build variants (results must not depend on them); the default is the register-ring tile (2 units in flight per
 # warp). ringR: the cp.async shared-memory ring capped at R units per warp; cpB: its L2 prefetch hint (default 256)
-VARIANTS = {"noM1": {"QMK_GEMV_M1": 0}, "noM1_ring2": {"QMK_GEMV_M1": 0, "QMK_GEMV_RING_MAX": 2},
-            "xbranch": {"QMK_GEMV_X_MASK": 2}, "noM1_xbranch": {"QMK_GEMV_M1": 0, "QMK_GEMV_X_MASK": 2}}
+VARIANTS = {"noM1": {"QMK_GEMV_M1": 0}, "m1ring": {"QMK_GEMV_M1": 1}, "m1reg": {"QMK_GEMV_M1": 2}}
 LMH_VARIANTS = {"xbranch": {"QMK_GEMV_X_MASK": 2}, "pf0": {"QMK_LD_L2_PREFETCH": 0},
                 "st3mb3pf256": {"QMK_GEMV_STAGES": 3, "QMK_LMH_MIN_BLOCKS": 3, "QMK_LD_L2_PREFETCH": 256}}
 

@@ -136,13 +136,17 @@ class Gemv:
         self._partial = Kernel(raw, self.pdl, f"{name}.partial")
         # M = 1 (decode): the fp8 kernels' *_m1 build (M fixed at compile time, shared-memory ring of M1_RING)
         self._partial_m1 = None
-        self.use_m1 = self.fp8 and (K // 128) // self.split >= M1_MIN_UNITS
-        m1_knob = int((defines or {}).get("QMK_GEMV_M1", -1))  # benchmarks: 0 never, 1 always, -1 by the rule
-        if m1_knob >= 0:
-            self.use_m1 = self.fp8 and bool(m1_knob)
+        # M = 1 kernel: "ring" (*_m1) for long warp tasks, "reg" (*_m1r) otherwise; QMK_GEMV_M1 (benchmarks,
+        # tests): 0 = the general kernel, 1 = ring, 2 = reg, -1 (default) = the rule
+        m1_knob = int((defines or {}).get("QMK_GEMV_M1", -1))
+        long_tasks = (K // 128) // self.split >= M1_MIN_UNITS
+        self.m1_kind = None if not self.fp8 or m1_knob == 0 else \
+            {1: "ring", 2: "reg"}.get(m1_knob, "ring" if long_tasks else "reg")
+        self.use_m1 = self.m1_kind is not None
         if self.use_m1:
-            self.ring_m1, self.smem_m1 = ring_depth(tasks, warps, int(optin), M1_RING)
-            raw1 = mod.get_function(kname + "_m1")
+            self.ring_m1, self.smem_m1 = ring_depth(tasks, warps, int(optin), M1_RING) if self.m1_kind == "ring" \
+                else (0, 0)
+            raw1 = mod.get_function(kname + ("_m1" if self.m1_kind == "ring" else "_m1r"))
             _allow_smem(raw1, self.smem_m1 + xs_max)
             self._partial_m1 = Kernel(raw1, self.pdl, f"{name}.partial_m1")
         self._reduce = Kernel(mod.get_function("gemv_reduce"), self.pdl, f"{name}.reduce")

@@ -44,7 +44,7 @@ __device__ __forceinline__ void qmk_gemv_pdl_prefetch(const void* W, const qmk_u
 // ring: shared-memory ring depth R (2..8; 0 = register ring), dynamic shared memory min(warps, tasks per
 // slice) · R · 2 KB. epi < 0: partials only; epi ≥ 0 (QMK_EPI_*): also the fused fixed-order reduce into
 // out [M, Nout] bf16 (resid [M, N] or null, may alias out; counters uint32 [Nout/16], zero between launches).
-template <int MC>
+template <int MC, int RG>
 __device__ __forceinline__ void gemv_fp8_partial_body(const qmk_u8* __restrict__ W, const qmk_u16* __restrict__ scale,
                                                       const qmk_u16* x, int M, int N, int K, int S,
                                                       const QmkGemvSlice* __restrict__ slices, float* P, int ring,
@@ -53,21 +53,28 @@ __device__ __forceinline__ void gemv_fp8_partial_body(const qmk_u8* __restrict__
     qmk_pdl_launch_dependents();
     qmk_gemv_pdl_prefetch<QMK_W_FP8>(W, scale, K, S, slices[blockIdx.x]);
     qmk_pdl_wait();
-    qmk_gemv_slice_ring<QMK_W_FP8, QMK_GEMV_WARPS, MC>(W, scale, x, M, N, K, S, slices[blockIdx.x], P, ring, epi,
-                                                       resid, out, counters);
+    qmk_gemv_slice_ring<QMK_W_FP8, QMK_GEMV_WARPS, MC, RG>(W, scale, x, M, N, K, S, slices[blockIdx.x], P, ring,
+                                                           epi, resid, out, counters);
 }
 extern "C" __global__ void __launch_bounds__(32 * QMK_GEMV_WARPS, 1)
 gemv_fp8_partial(const qmk_u8* __restrict__ W, const qmk_u16* __restrict__ scale, const qmk_u16* x, int M, int N,
                  int K, int S, const QmkGemvSlice* __restrict__ slices, float* P, int ring, int epi,
                  const qmk_u16* resid, qmk_u16* out, unsigned int* counters) {
-    gemv_fp8_partial_body<0>(W, scale, x, M, N, K, S, slices, P, ring, epi, resid, out, counters);
+    gemv_fp8_partial_body<0, -1>(W, scale, x, M, N, K, S, slices, P, ring, epi, resid, out, counters);
 }
 // The M = 1 build of gemv_fp8_partial (same arguments, M must be 1; ring ≥ 2 always: the shared-memory ring).
 extern "C" __global__ void __launch_bounds__(32 * QMK_GEMV_WARPS, 1)
 gemv_fp8_partial_m1(const qmk_u8* __restrict__ W, const qmk_u16* __restrict__ scale, const qmk_u16* x, int M, int N,
                     int K, int S, const QmkGemvSlice* __restrict__ slices, float* P, int ring, int epi,
                     const qmk_u16* resid, qmk_u16* out, unsigned int* counters) {
-    gemv_fp8_partial_body<1>(W, scale, x, M, N, K, S, slices, P, ring, epi, resid, out, counters);
+    gemv_fp8_partial_body<1, 1>(W, scale, x, M, N, K, S, slices, P, ring, epi, resid, out, counters);
+}
+// The M = 1 build with the register-ring tile (ring must be 0; no dynamic shared memory).
+extern "C" __global__ void __launch_bounds__(32 * QMK_GEMV_WARPS, 1)
+gemv_fp8_partial_m1r(const qmk_u8* __restrict__ W, const qmk_u16* __restrict__ scale, const qmk_u16* x, int M, int N,
+                     int K, int S, const QmkGemvSlice* __restrict__ slices, float* P, int ring, int epi,
+                     const qmk_u16* resid, qmk_u16* out, unsigned int* counters) {
+    gemv_fp8_partial_body<1, 0>(W, scale, x, M, N, K, S, slices, P, ring, epi, resid, out, counters);
 }
 
 // W [N, K] bf16 (scale 1), otherwise as above.
@@ -102,7 +109,7 @@ __device__ __forceinline__ void qmk_gemv_norm_prologue(const qmk_u16* x, const q
 // gemv_fp8_partial on RMSNorm(x; nw) instead of x: x [M, K] bf16 (un-normed), nw [K] bf16 (the (1+w) weight),
 // xn_out [M, K] bf16 or null (block 0 stores the normed rows there). Dynamic shared memory: xs_off bytes of
 // weight ring (0 for the register-ring build), then xs [M, K] bf16 at byte xs_off (16-byte aligned).
-template <int MC>
+template <int MC, int RG>
 __device__ __forceinline__ void gemv_fp8_norm_partial_body(
     const qmk_u8* __restrict__ W, const qmk_u16* __restrict__ scale, const qmk_u16* x, const qmk_u16* __restrict__ nw,
     qmk_u16* xn_out, int xs_off, int M, int N, int K, int S, const QmkGemvSlice* __restrict__ slices, float* P,
@@ -114,16 +121,16 @@ __device__ __forceinline__ void gemv_fp8_norm_partial_body(
     extern __shared__ __align__(16) qmk_u8 qmk_gemv_norm_smem[];
     qmk_u16* xs = reinterpret_cast<qmk_u16*>(qmk_gemv_norm_smem + xs_off);
     qmk_gemv_norm_prologue<QMK_GEMV_WARPS>(x, nw, xn_out, M, K, xs, red);
-    qmk_gemv_slice_ring<QMK_W_FP8, QMK_GEMV_WARPS, MC>(W, scale, xs, M, N, K, S, slices[blockIdx.x], P, ring, epi,
-                                                       resid, out, counters);
+    qmk_gemv_slice_ring<QMK_W_FP8, QMK_GEMV_WARPS, MC, RG>(W, scale, xs, M, N, K, S, slices[blockIdx.x], P, ring,
+                                                           epi, resid, out, counters);
 }
 extern "C" __global__ void __launch_bounds__(32 * QMK_GEMV_WARPS, 1)
 gemv_fp8_norm_partial(const qmk_u8* __restrict__ W, const qmk_u16* __restrict__ scale, const qmk_u16* x,
                       const qmk_u16* __restrict__ nw, qmk_u16* xn_out, int xs_off, int M, int N, int K, int S,
                       const QmkGemvSlice* __restrict__ slices, float* P, int ring, int epi, const qmk_u16* resid,
                       qmk_u16* out, unsigned int* counters) {
-    gemv_fp8_norm_partial_body<0>(W, scale, x, nw, xn_out, xs_off, M, N, K, S, slices, P, ring, epi, resid, out,
-                                  counters);
+    gemv_fp8_norm_partial_body<0, -1>(W, scale, x, nw, xn_out, xs_off, M, N, K, S, slices, P, ring, epi, resid, out,
+                                      counters);
 }
 // The M = 1 build of gemv_fp8_norm_partial (as gemv_fp8_partial_m1).
 extern "C" __global__ void __launch_bounds__(32 * QMK_GEMV_WARPS, 1)
@@ -131,8 +138,17 @@ gemv_fp8_norm_partial_m1(const qmk_u8* __restrict__ W, const qmk_u16* __restrict
                          const qmk_u16* __restrict__ nw, qmk_u16* xn_out, int xs_off, int M, int N, int K, int S,
                          const QmkGemvSlice* __restrict__ slices, float* P, int ring, int epi, const qmk_u16* resid,
                          qmk_u16* out, unsigned int* counters) {
-    gemv_fp8_norm_partial_body<1>(W, scale, x, nw, xn_out, xs_off, M, N, K, S, slices, P, ring, epi, resid, out,
-                                  counters);
+    gemv_fp8_norm_partial_body<1, 1>(W, scale, x, nw, xn_out, xs_off, M, N, K, S, slices, P, ring, epi, resid, out,
+                                     counters);
+}
+// The M = 1 build of gemv_fp8_norm_partial with the register-ring tile (as gemv_fp8_partial_m1r).
+extern "C" __global__ void __launch_bounds__(32 * QMK_GEMV_WARPS, 1)
+gemv_fp8_norm_partial_m1r(const qmk_u8* __restrict__ W, const qmk_u16* __restrict__ scale, const qmk_u16* x,
+                          const qmk_u16* __restrict__ nw, qmk_u16* xn_out, int xs_off, int M, int N, int K, int S,
+                          const QmkGemvSlice* __restrict__ slices, float* P, int ring, int epi, const qmk_u16* resid,
+                          qmk_u16* out, unsigned int* counters) {
+    gemv_fp8_norm_partial_body<1, 0>(W, scale, x, nw, xn_out, xs_off, M, N, K, S, slices, P, ring, epi, resid, out,
+                                     counters);
 }
 
 // gemv_bf16_partial on RMSNorm(x; nw), arguments and shared memory as gemv_fp8_norm_partial.

@@ -412,9 +412,9 @@ void qmk_gemv_finish_tile(const float* P, int S, int M, int N, int epi, int tile
 // A whole slice on one block of 32·NWARPS threads, as qmk_gemv_slice, with the shared-memory ring (R ≥ 2;
 // R = 0: the register-ring tile) and, for epi ≥ 0, the fused reduce + epilogue. Dynamic shared memory:
 // min(NWARPS, tasks in the slice) · R · 2 KB (warp w's ring at offset w · R · 2 KB).
-// MC > 0 (the *_m1 kernels): M = MC at compile time and always the shared-memory ring (R ≥ 2), whatever
-// QMK_GEMV_RING_MAX (session 4: ring 2 with M = 1 built in measured fastest on every fp8 shape).
-template <int WK, int NWARPS, int MC = 0>
+// MC > 0 (the *_m1 kernels): M = MC at compile time. RG: the tile, 1 = the shared-memory ring (R ≥ 2), 0 = the
+// register-ring tile, -1 = by QMK_GEMV_RING_MAX (the general kernels).
+template <int WK, int NWARPS, int MC = 0, int RG = -1>
 __device__ __forceinline__ void qmk_gemv_slice_ring(const void* W, const qmk_u16* scale, const qmk_u16* x, int M_,
                                                     int N, int K, int S, QmkGemvSlice sl, float* P, int R, int epi,
                                                     const qmk_u16* resid, qmk_u16* out, unsigned int* counters) {
@@ -426,10 +426,10 @@ __device__ __forceinline__ void qmk_gemv_slice_ring(const void* W, const qmk_u16
     for (int t = sl.task_start + warp; t < sl.task_end; t += NWARPS) {
         const int tile = t / S, split = t - tile * S, row0 = tile * QMK_ROW_TILE;
         float acc[4];
-        if (MC > 0 || QMK_GEMV_RING_MAX >= 2)
+        if (RG == 1 || (RG < 0 && QMK_GEMV_RING_MAX >= 2))
             qmk_gemv_tile_ring<WK, MC>(acc, W, scale, x, M, K, row0, split * per, (split + 1) * per, ring, R);
         else
-            qmk_gemv_tile<WK>(acc, W, scale, x, M, K, row0, split * per, (split + 1) * per);
+            qmk_gemv_tile<WK, MC>(acc, W, scale, x, M, K, row0, split * per, (split + 1) * per);
         qmk_gemv_store_partial(acc, P, M, N, split, row0);
         if (epi >= 0) qmk_gemv_finish_tile(P, S, M, N, epi, tile, counters, resid, out);
     }
