@@ -359,35 +359,31 @@ PROBE_RING(16)
 
 // The production ring tile (qmk_gemv_tile_ring, unchanged) in a task loop striding by the launched warp count:
 // launched with 32 · min(28, tasks) threads this is the probe_ring_F setting, with 896 the discrete kernel's.
+// probe_prod_ring: M = 1 built in (MC = 1; before session 4's change: a literal 1 argument), probe_prod_ring_m: M
+// as a run-time argument (as the production kernel had it).
+template <int MC>
+__device__ __forceinline__ void probe_prod_ring_body(const qmk_u8* W, const qmk_u16* scale, const qmk_u16* x, int M,
+                                                     int N, int K, int S, const QmkGemvSlice* slices, float* P,
+                                                     int R) {
+    extern __shared__ __align__(16) qmk_u8 probe_smem[];
+    const QmkGemvSlice sl = slices[blockIdx.x];
+    const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int per = (K / QMK_KBLK) / S;
+    const qmk_u32 ring = (qmk_u32)__cvta_generic_to_shared(probe_smem) + warp * R * QMK_GEMV_UNIT_BYTES;
+    for (int t = sl.task_start + warp; t < sl.task_end; t += nw) {
+        const int tile = t / S, split = t - tile * S, row0 = tile * QMK_ROW_TILE;
+        float acc[4];
+        qmk_gemv_tile_ring<QMK_W_FP8, MC>(acc, W, scale, x, M, K, row0, split * per, (split + 1) * per, ring, R);
+        qmk_gemv_store_partial(acc, P, MC > 0 ? MC : M, N, split, row0);
+    }
+}
 extern "C" __global__ void __launch_bounds__(896, 1) probe_prod_ring(const qmk_u8* W, const qmk_u16* scale,
                                                                     const qmk_u16* x, int N, int K, int S,
                                                                     const QmkGemvSlice* slices, float* P, int R) {
-    extern __shared__ __align__(16) qmk_u8 probe_smem[];
-    const QmkGemvSlice sl = slices[blockIdx.x];
-    const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int per = (K / QMK_KBLK) / S;
-    const qmk_u32 ring = (qmk_u32)__cvta_generic_to_shared(probe_smem) + warp * R * QMK_GEMV_UNIT_BYTES;
-    for (int t = sl.task_start + warp; t < sl.task_end; t += nw) {
-        const int tile = t / S, split = t - tile * S, row0 = tile * QMK_ROW_TILE;
-        float acc[4];
-        qmk_gemv_tile_ring<QMK_W_FP8>(acc, W, scale, x, 1, K, row0, split * per, (split + 1) * per, ring, R);
-        qmk_gemv_store_partial(acc, P, 1, N, split, row0);
-    }
+    probe_prod_ring_body<1>(W, scale, x, 1, N, K, S, slices, P, R);
 }
-
-// probe_prod_ring with M as a run-time argument (as the production kernel has it).
 extern "C" __global__ void __launch_bounds__(896, 1) probe_prod_ring_m(const qmk_u8* W, const qmk_u16* scale,
                                                                       const qmk_u16* x, int M, int N, int K, int S,
                                                                       const QmkGemvSlice* slices, float* P, int R) {
-    extern __shared__ __align__(16) qmk_u8 probe_smem[];
-    const QmkGemvSlice sl = slices[blockIdx.x];
-    const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int per = (K / QMK_KBLK) / S;
-    const qmk_u32 ring = (qmk_u32)__cvta_generic_to_shared(probe_smem) + warp * R * QMK_GEMV_UNIT_BYTES;
-    for (int t = sl.task_start + warp; t < sl.task_end; t += nw) {
-        const int tile = t / S, split = t - tile * S, row0 = tile * QMK_ROW_TILE;
-        float acc[4];
-        qmk_gemv_tile_ring<QMK_W_FP8>(acc, W, scale, x, M, K, row0, split * per, (split + 1) * per, ring, R);
-        qmk_gemv_store_partial(acc, P, M, N, split, row0);
-    }
+    probe_prod_ring_body<0>(W, scale, x, M, N, K, S, slices, P, R);
 }

@@ -38,6 +38,13 @@ def module(cfg, defines=None):
     return cp.RawModule(code=code, options=nvrtc_options(), backend="nvrtc")
 
 
+def save(out_dir, name: str, obj) -> int:
+    """Write obj as JSON to out_dir/name (creating out_dir); returns 0 (the exit status)."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / name).write_text(json.dumps(obj, indent=1))
+    return 0
+
+
 def weights(cp, N, K, copies, seed=0):
     cp.random.seed(seed)
     out = []
@@ -248,9 +255,7 @@ def run_length(cfg, out_dir) -> int:
                   f"{r['us']:8.2f} us {r['pct_of_4468']:6.1f} %", flush=True)
         del ws
         cp.get_default_memory_pool().free_all_blocks()
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / "gemv_run_length.json").write_text(json.dumps({"meta": device_meta(), "rows": rows}, indent=1))
-    return 0
+    return save(out_dir, "gemv_run_length.json", {"meta": device_meta(), "rows": rows})
 
 
 RING_SHAPES = {"gate_up": (34816, 5120, 1), "down": (5120, 17408, 8), "down_s4": (5120, 17408, 4),
@@ -352,9 +357,7 @@ def ring_knobs(cfg, out_dir, a_quick=False) -> int:
                       f"same={same}", flush=True)
         del ws
         cp.get_default_memory_pool().free_all_blocks()
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / "gemv_ring_knobs.json").write_text(json.dumps({"meta": device_meta(), "rows": rows}, indent=1))
-    return 0
+    return save(out_dir, "gemv_ring_knobs.json", {"meta": device_meta(), "rows": rows})
 
 
 BULK_VARIANTS = {"bulk": {}}
@@ -404,9 +407,7 @@ def bulk_variants(cfg, out_dir) -> int:
             print(r, flush=True)
         del ws, gt, gb
         cp.get_default_memory_pool().free_all_blocks()
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / "gemv_bulk_variants.json").write_text(json.dumps(rows, indent=1))
-    return 0
+    return save(out_dir, "gemv_bulk_variants.json", rows)
 
 
 if __name__ == "__main__":
