@@ -129,15 +129,21 @@ class Engine:
         ``executor``: ``megakernel`` | ``graph`` | ``cpu``; None = graph when a GPU is present (the faster of the two
         bit-identical GPU paths, measured), else cpu.
         ``capacity``: tokens per session slot. ``seed``: of the synthetic weights of a preset.
-        Raises ModelLoadError (bad directory, failed validation), InvalidArgument (an unknown executor name, a
-        capacity above the model's context or one whose state does not fit in memory), ExecutorUnavailable (a
+        Raises ModelLoadError (bad directory, failed validation), InvalidArgument (a ``path_or_preset`` that is not a
+        str / Path, an unknown executor name, ``slots`` < 1, a capacity above the model's context or one whose
+        state does not fit in memory), ExecutorUnavailable (a
         valid executor that cannot run here, e.g. a GPU one without a GPU). ``quiet`` drops the stderr warning
         printed for synthetic weights (a preset, or a directory written by ``qwen-mk make-checkpoint``).
         """
         kind = executor or default_kind()
         check_kind(kind)  # before reading any weights
+        if path_or_preset is not None and not isinstance(path_or_preset, (str, Path)):
+            raise InvalidArgument(f"path_or_preset: expected a checkpoint directory (str or Path) or a preset name, "
+                                  f"got {type(path_or_preset).__name__} {path_or_preset!r}")
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise InvalidArgument(f"capacity: expected a positive integer, got {capacity!r}")
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise InvalidArgument(f"slots: expected a positive integer (sessions open at once), got {slots!r}")
         model_dir, synthetic = _resolve_model(path_or_preset, seed, quiet, gpu=kind != "cpu")
         from loader.chat_template import ChatTemplate
         from loader.checkpoint import Checkpoint, CheckpointError
@@ -204,7 +210,20 @@ class Engine:
             raise
         except Exception as e:  # the template layer names the message at fault
             raise InvalidArgument(f"chat: cannot render the conversation: {e}") from e
-        return self.tokenizer.encode(text)
+        return self.encode(text, "chat")
+
+    def encode(self, text: str, what: str = "prompt") -> list[int]:
+        """Token ids of ``text`` (no special-token parsing beyond the tokenizer's own). Raises InvalidArgument when
+        ``text`` is not a str or is not valid Unicode text (e.g. a lone surrogate from undecodable bytes, as
+        Python's ``surrogateescape`` makes of invalid UTF-8 on the command line); ``what`` names it."""
+        from loader.tokenizer import TokenizerError
+
+        if not isinstance(text, str):
+            raise InvalidArgument(f"{what}: expected a str, got {type(text).__name__}")
+        try:
+            return self.tokenizer.encode(text)
+        except TokenizerError as e:
+            raise InvalidArgument(f"{what}: not valid UTF-8 text ({e})") from e
 
     # ------------------------------------------------------------------ one-shot calls (fresh state)
     def generate(self, prompt_ids: Sequence[int], **kw) -> Generation:

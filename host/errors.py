@@ -1,5 +1,6 @@
-"""Typed errors of the engine's Python API. The CLI turns each into a one-line message and a non-zero exit
-(``EXIT_CODES``); API users catch :class:`EngineError` or a subclass."""
+"""Typed errors and warnings of the engine's Python API. The CLI turns each error into a one-line message and a
+non-zero exit (``exit_code``); API users catch :class:`EngineError` or a subclass. Warnings
+(:class:`IgnoredArgumentWarning`) go through the ``warnings`` module and never stop a call."""
 from __future__ import annotations
 
 
@@ -16,7 +17,9 @@ class EmptyPrompt(EngineError):
 
 
 class PromptTooLong(EngineError):
-    """Prompt + requested new tokens exceed the session capacity or the model's context length."""
+    """The prompt alone has more tokens than the session holds (``Session.capacity``: the executor's capacity, at
+    most the model's context). A prompt that fits but leaves less room than ``max_new_tokens`` is not an error:
+    the generation ends early with finish_reason ``length``, finish_detail ``capacity``."""
 
     exit_code = 4
 
@@ -28,7 +31,14 @@ class InvalidTokenId(EngineError):
 
 
 class InvalidArgument(EngineError):
-    """A generation or sampling argument out of range (temperature < 0, top_p outside (0, 1], ...)."""
+    """An argument of the Python API or the CLI that is of the wrong type, out of range or inconsistent with the
+    engine, raised before any work: a sampling parameter (``SamplingParams``: temperature < 0, top_k < 0, top_p
+    outside (0, 1], seed < 0); ``max_new_tokens`` < 1 or above the session capacity / model context
+    (``host.sampling.check_generation_args``); an empty stop string; an unknown executor name; a ``capacity``
+    that is not positive, exceeds the model's context or does not fit in host / GPU memory; ``slots`` < 1; a
+    ``path_or_preset`` that is not a str / Path; a ``chat`` conversation that is not a list of messages or that
+    the chat template cannot render; prompt ids that are not a sequence of ints; text (a prompt, a chat message,
+    the CLI's ``--system`` or a chat input line) that is not valid UTF-8."""
 
     exit_code = 2
 
@@ -49,3 +59,15 @@ class GenerationInterrupted(EngineError):
     """A generation stopped by KeyboardInterrupt; the session stays usable (its state is rolled back)."""
 
     exit_code = 130
+
+
+class IgnoredArgumentWarning(UserWarning):
+    """Warning, not an error (``warnings.warn``; the call goes on): generation arguments that were given but have
+    no effect and are ignored. Issued by ``host.sampling.check_generation_args`` (``Session.generate``,
+    ``Engine.generate`` / ``chat``) for top_k, top_p or seed under greedy decoding (temperature 0), which vLLM
+    ignores too; the CLI prints it as a ``qwen-mk: warning:`` line. ``names``: the ignored arguments, in
+    signature order. Silence with ``warnings.simplefilter("ignore", IgnoredArgumentWarning)``."""
+
+    def __init__(self, message: str, names: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.names = tuple(names)

@@ -4,17 +4,24 @@ The math lives in the reference ops (``assembler.ref.ops.argmax``: lowest id win
 ``assembler.ref.ops.sample``: transformers' temperature → top-k (value threshold) → top-p tie rules);
 this module only validates parameters, masks the padding rows and owns the seeded generator
 (``numpy.random.Generator(PCG64(seed))``), so a (prompt, params, seed) triple always gives the same tokens.
+It also holds the argument checks the Python API and the CLI share (``check_generation_args``).
 """
 from __future__ import annotations
 
+import os
 import secrets
+import sys
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
 from assembler.ref import ops
-from host.errors import InvalidArgument
+from host.errors import IgnoredArgumentWarning, InvalidArgument
 from loader.config import FIRST_PADDING_ID
+
+DEFAULT_MAX_NEW_TOKENS = 256  # max_new_tokens when not given (API and CLI), lowered to a smaller capacity
+_HOST_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,65 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def check_generation_args(params: SamplingParams, max_new_tokens: int | None, capacity: int,
+                          context: int | None = None, *, context_of: str = "max_position_embeddings",
+                          cli: bool = False) -> int:
+    """The checks of generation arguments that ``Session.generate`` (so ``Engine.generate`` / ``chat``) and the
+    CLI's ``generate`` / ``chat`` (before the model loads) share. Returns ``max_new_tokens``, or for None
+    DEFAULT_MAX_NEW_TOKENS lowered to ``capacity`` (and ``context``) when smaller.
+
+    ``capacity``: the tokens a session holds, prompt and reply together (``Engine.load(capacity=)``,
+    ``--capacity``); ``context``: the model's max_position_embeddings, None where not known yet (the CLI's
+    ``--model DIR`` before loading); ``context_of`` says in the message where ``context`` comes from; ``cli``:
+    messages name CLI flags (``--capacity``) instead of Python arguments.
+
+    Raises InvalidArgument when ``max_new_tokens`` is not an integer >= 1, exceeds ``context`` or exceeds
+    ``capacity`` (a ``capacity`` < 1 is left to ``Engine.load``'s check). The rule is max_new_tokens <= capacity,
+    not vLLM's prompt + max_tokens <= max_model_len: a session's prompt is the whole conversation (earlier turns
+    included), unknown to the CLI before the model loads, and a reply that fills the session ends with
+    finish_reason ``length``, finish_detail ``capacity``.
+
+    Warns (``warnings.warn``, IgnoredArgumentWarning naming the arguments, attributed to the first caller outside
+    ``host/``) when decoding is greedy (temperature 0) and top_k (other than 0 = off), top_p (other than 1.0 =
+    off) or seed is given: they have no effect there (vLLM ignores them too).
+    """
+    n = max_new_tokens
+    if n is None:
+        n = max(1, min([DEFAULT_MAX_NEW_TOKENS, capacity] + ([context] if context else [])))
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise InvalidArgument(f"max_new_tokens: expected an integer >= 1, got {n!r}")
+    n = int(n)
+    if context is not None and n > context:
+        raise InvalidArgument(f"max_new_tokens: {n} exceeds the model's context of {context} tokens ({context_of})")
+    if n > capacity >= 1:
+        raise InvalidArgument(
+            f"max_new_tokens: {n} exceeds --capacity {capacity}, the tokens a session holds (prompt and reply "
+            f"together); lower --max-new-tokens or raise --capacity" if cli else
+            f"max_new_tokens: {n} exceeds the session capacity of {capacity} tokens (prompt and reply together); "
+            f"lower max_new_tokens or load the engine with a larger capacity (Engine.load(..., capacity=N))")
+    if params.greedy:
+        names = [name for name, v, off in (("top_k", params.top_k, 0), ("top_p", params.top_p, 1.0),
+                                           ("seed", params.seed, None)) if v is not None and v != off]
+        if names:
+            shown = ["--" + x.replace("_", "-") for x in names] if cli else names
+            listed = shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " and " + shown[-1]
+            msg = (f"{listed} {'has' if len(shown) == 1 else 'have'} no effect under greedy decoding "
+                   + ("(--temperature 0); give --temperature > 0 to sample" if cli else
+                      f"(temperature 0) and {'is' if len(shown) == 1 else 'are'} ignored; pass temperature > 0 "
+                      "to sample"))
+            warnings.warn(IgnoredArgumentWarning(msg, tuple(names)), stacklevel=_outside_host_stacklevel())
+    return n
+
+
+def _outside_host_stacklevel() -> int:
+    """``stacklevel`` for a ``warnings.warn`` made in a function that calls this one directly: the first frame
+    whose code is not under ``host/`` (the user's call, not the engine's internals)."""
+    f, level = sys._getframe(1), 1
+    while f.f_back is not None and f.f_code.co_filename.startswith(_HOST_DIR):
+        f, level = f.f_back, level + 1
+    return level
 
 
 def mask_padding(logits: np.ndarray) -> np.ndarray:

@@ -19,7 +19,7 @@ import numpy as np
 
 from host.errors import EmptyPrompt, EngineError, GenerationInterrupted, InvalidArgument, InvalidTokenId, PromptTooLong
 from host.executors import Executor, StepOutput
-from host.sampling import Sampler, SamplingParams
+from host.sampling import Sampler, SamplingParams, check_generation_args
 from loader.config import FIRST_PADDING_ID, IM_START_ID
 
 CKPT_ALIGN = 64        # GDN prefill chunk: state checkpoints sit on multiples of it (article Part 5.4)
@@ -62,8 +62,10 @@ class GenerationResult:
 
     ``finish_reason`` (vLLM / OpenAI): ``stop`` or ``length``. ``stop_reason`` (vLLM): the matched stop string or
     the stop token id, None for EOS (one of the config's eos ids) and for ``length``. ``finish_detail``: ``eos``,
-    ``stop_token``, ``stop_string`` (finish_reason ``stop``), ``max_new_tokens`` or ``capacity`` (the session or
-    the model's context is full; finish_reason ``length``)."""
+    ``stop_token``, ``stop_string`` (finish_reason ``stop``), ``max_new_tokens`` or ``capacity`` (finish_reason
+    ``length``). ``capacity``: the session (at most the model's context) filled before max_new_tokens were
+    generated; max_new_tokens itself never exceeds the capacity (``check_generation_args``), so this happens
+    when the prompt (a session's earlier turns included) leaves less room than max_new_tokens."""
 
     text: str
     ids: list[int]
@@ -115,8 +117,11 @@ class Generation:
 
 
 def validate_ids(ids: Sequence[int], vocab_size: int, what: str = "prompt", allow_empty: bool = False) -> list[int]:
-    """ids as a list of ints; raises EmptyPrompt (unless allow_empty), or InvalidTokenId naming the first bad
-    index and id."""
+    """ids as a list of ints; raises InvalidArgument (not a sequence, or a str), EmptyPrompt (unless
+    allow_empty), or InvalidTokenId naming the first bad index and id."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise InvalidArgument(f"{what}: expected a sequence of integer token ids, got {type(ids).__name__}"
+                              + (" (encode text with engine.encode(...) first)" if isinstance(ids, str) else ""))
     out = []
     for i, t in enumerate(ids):
         if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
@@ -185,6 +190,7 @@ class Session:
 
     def __init__(self, engine, slot: int):
         self.engine, self.slot = engine, slot
+        self.closed = False
         self.ids: list[int] = []
         self.checkpoints: list[tuple[int, object]] = []
         self._last: StepOutput | None = None  # output of the last processed token (valid when ids non-empty)
@@ -192,16 +198,28 @@ class Session:
         self._ex().reset(slot)
 
     def _ex(self) -> Executor:
+        self._check_open()  # a Generation made before close() must not run on a slot that may be reused
         ex = self.engine.executor
         ex.select(self.slot)
         return ex
 
     @property
     def capacity(self) -> int:
+        """Tokens this session holds, prompt and reply together: the executor's capacity, at most the model's
+        context (max_position_embeddings)."""
         return min(self.engine.executor.capacity, self.engine.cfg.max_position_embeddings)
 
     def close(self) -> None:
+        """Give the slot back; the session can no longer be used (EngineError). Closing twice is a no-op."""
+        if self.closed:
+            return
+        self.closed = True
         self.engine._release_slot(self.slot)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise EngineError("this session is closed (its slot may belong to another session now); "
+                              "open a new one with Engine.new_session()")
 
     # ------------------------------------------------------------------ state bookkeeping
     def _rewind(self, pos: int) -> int:
@@ -266,7 +284,7 @@ class Session:
         return self._last, min(common, reused), ran, note
 
     # ------------------------------------------------------------------ the decode loop
-    def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int = 256, temperature: float = 0.0,
+    def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int | None = None, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  stop: Sequence[str] = (), stop_ids: Sequence[int] | None = None,
                  checkpoint_at: Sequence[int] = ()) -> Generation:
@@ -275,12 +293,21 @@ class Session:
         Stops on ``stop_ids`` (default: the config's eos ids 248046, 248044), on any ``stop`` string matched on
         the detokenised text (text past it is never emitted), after ``max_new_tokens``, or when the session is
         full (finish_reason ``stop`` for the first two, ``length`` for the others; see GenerationResult).
+        ``max_new_tokens``: at most ``capacity`` (as the CLI's ``--max-new-tokens``); None = 256, or the capacity
+        when smaller. ``top_k`` / ``top_p`` / ``seed`` act only when sampling (temperature > 0).
         ``checkpoint_at``: extra prompt positions to snapshot (``chat`` passes the start of the generation
-        prompt, where a re-rendered history usually diverges). Raises (before any work) EmptyPrompt,
-        InvalidTokenId, PromptTooLong, InvalidArgument; while running, GenerationInterrupted on KeyboardInterrupt
-        (the session is rolled back to a checkpoint and stays usable).
+        prompt, where a re-rendered history usually diverges).
+
+        Raises, before any work: EmptyPrompt (no ids); InvalidTokenId (an id outside the vocabulary or a padding
+        id, in the prompt or ``stop_ids``); PromptTooLong (the prompt alone exceeds ``capacity``);
+        InvalidArgument (prompt_ids not a sequence of ints, max_new_tokens not an integer >= 1 or above
+        ``capacity`` or the model's context, a sampling parameter out of range, an empty stop string);
+        EngineError (this session is closed or already generating). Warns IgnoredArgumentWarning when temperature is 0 and top_k, top_p or seed is given (they
+        are ignored; ``host.sampling.check_generation_args``). While running: GenerationInterrupted on
+        KeyboardInterrupt (the session is rolled back to a checkpoint and stays usable).
         """
         cfg = self.engine.cfg
+        self._check_open()
         if self._busy:
             raise EngineError("this session is already generating: finish or close() its Generation first")
         prompt = validate_ids(prompt_ids, cfg.vocab_size)
@@ -288,17 +315,20 @@ class Session:
             raise PromptTooLong(f"prompt has {len(prompt)} tokens; the session holds at most {self.capacity} "
                                 f"(executor capacity {self.engine.executor.capacity}, model context "
                                 f"{cfg.max_position_embeddings})")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-            raise InvalidArgument(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
+        if stop is None:  # vLLM's default
+            stop = ()
         if isinstance(stop, str):
             stop = [stop]
         if any(not isinstance(s, str) or not s for s in stop):
             raise InvalidArgument(f"stop: expected non-empty strings, got {list(stop)!r}")
         stop_set = set(cfg.eos_token_ids if stop_ids is None
                        else validate_ids(stop_ids, cfg.vocab_size, "stop_ids", allow_empty=True))
-        sampler = Sampler(SamplingParams(temperature, top_k, top_p, seed))
+        params = SamplingParams(temperature, top_k, top_p, seed)  # the shared check last: it may warn
+        max_new = check_generation_args(params, max_new_tokens, self.engine.executor.capacity,
+                                        cfg.max_position_embeddings)
+        sampler = Sampler(params)
         marks = [int(m) for m in checkpoint_at]
-        return Generation(lambda g: self._loop(g, prompt, int(max_new_tokens), list(stop), stop_set, sampler, marks))
+        return Generation(lambda g: self._loop(g, prompt, max_new, list(stop), stop_set, sampler, marks))
 
     def chat(self, messages: list[dict], *, tools: list[dict] | None = None, enable_thinking: bool = True,
              **kw) -> Generation:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import click
 
-from host.commands.generate import (check_model_args, check_sampling_args, gen_kwargs, handle_errors, load_engine,
-                                   model_options, sampling_options, timing_line)
-from host.errors import GenerationInterrupted, PromptTooLong
+from host.commands.generate import (check_model_args, check_sampling_args, check_text, gen_kwargs, handle_errors,
+                                   load_engine, model_options, sampling_options, timing_line, warned_already)
+from host.errors import GenerationInterrupted, InvalidArgument, PromptTooLong
 
 HELP = ("commands: /reset clears the conversation, /exit or /quit ends the chat, /help lists them; "
         "start a message with // to send a leading /")
@@ -42,6 +42,8 @@ def command(system, timings, **kw):
     """Chat interactively (keeps the session between turns)."""
     check_model_args(kw)
     check_sampling_args(kw)  # bad sampling flags fail before the model loads
+    if system:
+        check_text(system, "--system")
     eng = load_engine(kw)
     sess = eng.new_session()
     base = [{"role": "system", "content": system}] if system else []
@@ -73,8 +75,10 @@ def command(system, timings, **kw):
             continue
         turn = messages + [{"role": "user", "content": line}]
         try:
-            g = sess.chat(turn, enable_thinking=not kw["no_think"], **gen_kwargs(kw))
-        except PromptTooLong as e:  # this turn only: the conversation so far stays usable
+            check_text(line, "input")
+            with warned_already():  # printed once before loading, not again each turn
+                g = sess.chat(turn, enable_thinking=not kw["no_think"], **gen_kwargs(kw))
+        except (PromptTooLong, InvalidArgument) as e:  # this turn only: the conversation so far stays usable
             click.echo(f"error: {e}\n[turn dropped, conversation kept; /reset starts over]", err=True)
             continue
         try:

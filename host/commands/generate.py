@@ -6,17 +6,19 @@ of the error raised (2 bad argument, 3 empty prompt, 4 too long, 5 bad token id,
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
+import warnings
 
 import click
 
-from host.errors import EngineError, GenerationInterrupted
+from host.errors import EngineError, GenerationInterrupted, IgnoredArgumentWarning
 from host.executors import KINDS
 from loader.config import PRESETS
 
-DEFAULT_MAX_NEW_TOKENS = 256
+DEFAULT_MAX_NEW_TOKENS = 256  # host.sampling.DEFAULT_MAX_NEW_TOKENS (not imported here: it pulls in NumPy)
 
 
 def model_options(f):
@@ -63,30 +65,47 @@ def check_model_args(kw: dict) -> None:
 
 
 def check_sampling_args(kw: dict) -> None:
-    """Checks of the sampling flags before the model loads: their ranges (``SamplingParams``), --max-new-tokens
-    against --capacity and a preset's context (InvalidArgument), and a warning on stderr for --top-k/--top-p
-    under greedy decoding, where they have no effect (vLLM ignores them there too). Fills in the default
-    ``kw["max_new_tokens"]``: DEFAULT_MAX_NEW_TOKENS, or --capacity when smaller."""
-    from host.errors import InvalidArgument
-    from host.sampling import SamplingParams
+    """Checks of the sampling flags before the model loads, by the function the Python API runs in
+    ``Session.generate`` (``host.sampling.check_generation_args``): their ranges (``SamplingParams``),
+    --max-new-tokens against --capacity and a preset's context (InvalidArgument), and a ``qwen-mk: warning:``
+    line on stderr for each IgnoredArgumentWarning it issues (--top-k, --top-p or --seed under greedy decoding,
+    where they have no effect; vLLM ignores them there too). Fills in the default ``kw["max_new_tokens"]``:
+    DEFAULT_MAX_NEW_TOKENS, or --capacity when smaller."""
+    from host.sampling import SamplingParams, check_generation_args
 
     p = SamplingParams(kw["temperature"], kw["top_k"], kw["top_p"], kw["seed"])
-    cap = kw["capacity"]
-    if kw["max_new_tokens"] is None:
-        kw["max_new_tokens"] = max(1, min(DEFAULT_MAX_NEW_TOKENS, cap))
-    n = kw["max_new_tokens"]
     name = kw["preset"] or (None if kw["model_dir"] else "tiny")  # Engine.load's default is the tiny preset
     ctx = PRESETS[name].max_position_embeddings if name in PRESETS else None
-    if ctx is not None and n > ctx:
-        raise InvalidArgument(f"max_new_tokens: {n} exceeds the model's context of {ctx} tokens "
-                              f"(max_position_embeddings of preset {name!r})")
-    if n > cap >= 1:  # a capacity < 1 is Engine.load's error
-        raise InvalidArgument(f"max_new_tokens: {n} exceeds --capacity {cap}, the tokens a session holds (prompt "
-                              f"and reply together); lower --max-new-tokens or raise --capacity")
-    given = [f for f, v in (("--top-k", kw["top_k"]), ("--top-p", kw["top_p"])) if v is not None]
-    if given and p.greedy:
-        click.echo(f"qwen-mk: warning: {' and '.join(given)} {'has' if len(given) == 1 else 'have'} no effect under "
-                   f"greedy decoding (--temperature 0); give --temperature > 0 to sample", err=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", IgnoredArgumentWarning)
+        kw["max_new_tokens"] = check_generation_args(p, kw["max_new_tokens"], kw["capacity"], ctx, cli=True,
+                                                     context_of=f"max_position_embeddings of preset {name!r}")
+    for w in caught:
+        if issubclass(w.category, IgnoredArgumentWarning):
+            click.echo(f"qwen-mk: warning: {w.message}", err=True)
+        else:  # not ours: let it through as it would have gone
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+
+def check_text(text: str, what: str) -> None:
+    """InvalidArgument when ``text`` cannot be UTF-8 encoded: the command line or stdin held bytes that are not
+    UTF-8 (Python keeps them as lone surrogates), which the tokenizer would refuse after the model loads."""
+    from host.errors import InvalidArgument
+
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgument(f"{what}: not valid UTF-8 (undecodable byte at character {e.start}); pass UTF-8 "
+                              f"text") from None
+
+
+@contextlib.contextmanager
+def warned_already():
+    """Around the API calls of a command whose flags ``check_sampling_args`` checked: its warnings were printed
+    once as ``qwen-mk: warning:`` lines, so the same IgnoredArgumentWarning from ``Session.generate`` is muted."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", IgnoredArgumentWarning)
+        yield
 
 
 def load_engine(kw: dict):
@@ -159,11 +178,13 @@ def command(prompt, raw, as_json, **kw):
     text = read_prompt(prompt)
     if not text.strip():
         raise EmptyPrompt("the prompt is empty")
+    check_text(text, "prompt")  # before the model loads
     eng = load_engine(kw)
-    if raw:
-        g = eng.generate(eng.tokenizer.encode(text), **gen_kwargs(kw))
-    else:
-        g = eng.chat([{"role": "user", "content": text}], enable_thinking=not kw["no_think"], **gen_kwargs(kw))
+    with warned_already():
+        if raw:
+            g = eng.generate(eng.encode(text), **gen_kwargs(kw))
+        else:
+            g = eng.chat([{"role": "user", "content": text}], enable_thinking=not kw["no_think"], **gen_kwargs(kw))
     if as_json:
         r = g.result()
         click.echo(json.dumps(r.to_json(), ensure_ascii=False))

@@ -16,6 +16,8 @@ class _NoGPU(click.ClickException):
     exit_code = ExecutorUnavailable.exit_code
 
 
+MAX_SMS = 1024  # far above any GPU's SM count; the assembler's time and memory grow with it (10,000 SMs: 2 GB)
+
 # options that shape the assembled program; --timings runs the megakernel's own default decode program instead
 _PROGRAM_ONLY = {"layer_limit": "--layer-limit", "rows": "--rows", "kind": "--kind", "fuse_reduce": "--fuse-reduce",
                  "check": "--verify"}
@@ -24,7 +26,8 @@ _PROGRAM_ONLY = {"layer_limit": "--layer-limit", "rows": "--rows", "kind": "--ki
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)), default="tiny", show_default=True,
               help="model configuration")
-@click.option("--sms", type=click.IntRange(min=1), default=132, show_default=True, help="SM count (132 on the H200)")
+@click.option("--sms", type=click.IntRange(min=1, max=MAX_SMS), default=132, show_default=True,
+              help=f"SM count (132 on the H200; at most {MAX_SMS})")
 @click.option("--format", "fmt", type=click.Choice(["text", "json", "stats"]), default="text", show_default=True,
               help="full dump as text or JSON (its 'stats' object holds what the stats line prints: --context, and "
                    "'verified' with --verify), or the stats only; --timings prints JSON and accepts only json")

@@ -24,13 +24,13 @@ def test_finish_reasons_use_vllm_names(text_layer):
     for length); finish_detail keeps what the engine knows (max_new_tokens vs capacity, eos vs stop token)."""
     eng = _hash_engine(text_layer, capacity=40)
     body = eng.tokenizer.encode("Hello world. The end of it")
-    cases = [  # (script, generate kwargs, finish_reason, stop_reason, finish_detail)
+    cases = [  # (script, generate kwargs, finish_reason, stop_reason, finish_detail); max_new_tokens <= capacity
         (body, dict(max_new_tokens=3), "length", None, "max_new_tokens"),
-        (body + [IM_END_ID], dict(max_new_tokens=100), "stop", None, "eos"),
-        (body + [IM_END_ID], dict(max_new_tokens=100, stop=["world."]), "stop", "world.", "stop_string"),
-        (body, dict(max_new_tokens=100, stop_ids=[body[2]]), "stop", body[2], "stop_token"),
-        (body + [IM_END_ID], dict(max_new_tokens=100, stop_ids=[IM_END_ID]), "stop", None, "eos"),
-        (body * 4, dict(max_new_tokens=100, stop_ids=[]), "length", None, "capacity"),
+        (body + [IM_END_ID], dict(max_new_tokens=40), "stop", None, "eos"),
+        (body + [IM_END_ID], dict(max_new_tokens=40, stop=["world."]), "stop", "world.", "stop_string"),
+        (body, dict(max_new_tokens=40, stop_ids=[body[2]]), "stop", body[2], "stop_token"),
+        (body + [IM_END_ID], dict(max_new_tokens=40, stop_ids=[IM_END_ID]), "stop", None, "eos"),
+        (body * 4, dict(max_new_tokens=40, stop_ids=[]), "length", None, "capacity"),
     ]
     for script, kw, reason, stop_reason, detail in cases:
         eng.executor.script = script

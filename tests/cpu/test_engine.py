@@ -204,7 +204,7 @@ def test_stop_token_and_stop_string(text_layer):
 
 def test_capacity_and_prompt_limits(text_layer):
     eng = _hash_engine(text_layer, capacity=20)
-    r = eng.generate(list(range(100, 115)), max_new_tokens=50, stop_ids=[]).result()
+    r = eng.generate(list(range(100, 115)), max_new_tokens=20, stop_ids=[]).result()   # at most the capacity
     assert (r.finish_reason, r.finish_detail) == ("length", "capacity") and len(r.ids) == 20 - 15 + 1
     eng.generate(list(range(100, 120)), max_new_tokens=1).result()           # exactly full: allowed
     with pytest.raises(PromptTooLong):
