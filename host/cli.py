@@ -18,7 +18,30 @@ COMMANDS = {
 }
 
 
+def _version() -> str:
+    """The installed package's version, else the source tree's pyproject.toml version."""
+    from importlib import metadata
+    try:
+        return metadata.version("qwen-mk")
+    except metadata.PackageNotFoundError:
+        import tomllib
+        from pathlib import Path
+        try:
+            with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
+                return tomllib.load(f)["project"]["version"] + " (source tree)"
+        except (OSError, KeyError, tomllib.TOMLDecodeError):
+            return "unknown"
+
+
+def _print_version(ctx: click.Context, _param, value: bool) -> None:
+    if value and not ctx.resilient_parsing:  # looked up only when asked: every other command starts faster
+        click.echo(f"qwen-mk, version {_version()}")
+        ctx.exit()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Show the version and exit.")
 def main() -> None:
     """qwen-mk: batch-1 inference for Qwen3.5-27B-FP8 (megakernel, CUDA graph, or CPU VM)."""
 

@@ -175,6 +175,8 @@ def command(prompt, raw, as_json, **kw):
 
     check_model_args(kw)
     check_sampling_args(kw)  # bad sampling flags fail before the model loads (as in chat)
+    if raw and kw["no_think"]:
+        click.echo("qwen-mk: warning: --no-think has no effect with --raw (no chat template is rendered)", err=True)
     text = read_prompt(prompt)
     if not text.strip():
         raise EmptyPrompt("the prompt is empty")

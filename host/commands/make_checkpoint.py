@@ -22,12 +22,19 @@ def _remove(p: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
+def _looks_like_checkpoint(entries: list[str]) -> bool:
+    """Whether a directory's entries are a checkpoint's (what --force may replace): a config.json or a
+    safetensors file / index among them."""
+    return any(e == "config.json" or e.endswith((".safetensors", ".safetensors.index.json")) for e in entries)
+
+
 @click.command(name="make-checkpoint")
 @click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)), required=True, help="model preset")
 @click.option("--out", type=click.Path(file_okay=False), required=True,
               help="output directory (created; refused when it exists and is not empty, unless --force)")
-@click.option("--force", is_flag=True, help="replace a non-empty OUT: everything in it is deleted once the new "
-              "checkpoint is complete")
+@click.option("--force", is_flag=True, help="replace a previous checkpoint in OUT (a directory with a config.json "
+              "or *.safetensors; anything else is refused): everything in it is deleted once the new checkpoint is "
+              "complete")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="generator seed")
 @click.option("--shard-bytes", type=click.IntRange(min=1), default=MAX_SHARD_BYTES, show_default=True,
               help="largest shard size in bytes")
@@ -69,6 +76,11 @@ def command(preset_name: str, out: str, force: bool, seed: int, shard_bytes: int
     if entries and not force:
         raise click.BadParameter(f"directory {out} is not empty ({len(entries)} entries, e.g. {entries[0]!r}); "
                                  "pass --force to replace it", param_hint="--out")
+    if entries and not _looks_like_checkpoint(entries):  # --force never deletes a directory of other things
+        raise click.BadParameter(f"directory {out} does not look like a checkpoint (no config.json or "
+                                 f"*.safetensors among its {len(entries)} entries, e.g. {entries[0]!r}); --force "
+                                 "replaces only a previous checkpoint: choose an empty or new directory",
+                                 param_hint="--out")
     try:
         try:
             res = write_checkpoint(preset(preset_name), tmp, seed, tokenizer="skip" if no_tokenizer else "require",

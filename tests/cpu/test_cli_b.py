@@ -120,6 +120,7 @@ def test_make_checkpoint_refuses_a_non_empty_out(tmp_path, fake_writer):
 def test_make_checkpoint_force_replaces_and_empty_out_is_fine(tmp_path, fake_writer):
     out = tmp_path / "ckpt"
     out.mkdir()
+    (out / "config.json").write_text("{}")  # a previous checkpoint: --force replaces all of it
     (out / "old.txt").write_text("old")
     r = run(["make-checkpoint", "--preset", "tiny", "--out", str(out), "--force", "--no-tokenizer"])
     assert r.exit_code == 0, r.output
@@ -130,6 +131,18 @@ def test_make_checkpoint_force_replaces_and_empty_out_is_fine(tmp_path, fake_wri
     r = run(["make-checkpoint", "--preset", "tiny", "--out", str(empty), "--no-tokenizer"])
     assert r.exit_code == 0, r.output
     assert (empty / "config.json").is_file() and not _siblings(empty)
+
+
+def test_make_checkpoint_force_refuses_a_directory_that_is_not_a_checkpoint(tmp_path, fake_writer):
+    """--force replaces only a previous checkpoint (config.json or *.safetensors inside): `--out ~ --force` must not
+    delete a home directory (session-4 review: it deleted an unrelated notes.txt)."""
+    out = tmp_path / "home"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    r = run(["make-checkpoint", "--preset", "tiny", "--out", str(out), "--force", "--no-tokenizer"])
+    assert r.exit_code == 2, r.output
+    assert "does not look like a checkpoint" in r.output and "Traceback" not in r.output
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and not fake_writer.dirs and not _siblings(out)
 
 
 @pytest.mark.parametrize("fail", [OSError(28, "No space left on device"), KeyboardInterrupt()],

@@ -1,7 +1,8 @@
 """Problems a fresh user found (session 4 review), each pinned: a closed Session refuses work (it used to run on a
 slot another session may own), text that is not valid UTF-8 is a clean InvalidArgument / exit 2 (it was a
 TokenizerError traceback, and killed a chat), wrong API argument types are InvalidArgument (not a raw TypeError),
-``stop=None`` is accepted (vLLM's default), ``slots`` < 1 is refused at load, and ``inspect --sms`` is bounded.
+``stop=None`` is accepted (vLLM's default), ``slots`` < 1 is refused at load, ``inspect --sms`` is bounded,
+``--version`` exists, and ``--raw --no-think`` warns that --no-think does nothing there.
 Scripted executor of test_engine and the CLI with its engine loader patched (milliseconds)."""
 from __future__ import annotations
 
@@ -90,3 +91,13 @@ def test_inspect_sms_is_bounded():
     assert r.exit_code == 2 and "1<=x<=1024" in r.output
     r = run(["inspect", "--sms", "7", "--format", "stats", "--layer-limit", "1"])  # control
     assert r.exit_code == 0, r.output
+
+
+def test_version_and_raw_no_think_warning(fake_engine):
+    r = run(["--version"])
+    assert r.exit_code == 0 and r.output.startswith("qwen-mk, version ")
+    r = run(["generate", "--raw", "--no-think", "--max-new-tokens", "1", "hello"])
+    assert r.exit_code == 0, r.output
+    assert "--no-think has no effect with --raw" in r.output
+    r = run(["generate", "--raw", "--max-new-tokens", "1", "hello"])  # control: no warning without --no-think
+    assert r.exit_code == 0 and "--no-think" not in r.output
