@@ -122,13 +122,15 @@ class Engine:
 
     @classmethod
     def load(cls, path_or_preset: str | Path | None = None, executor: str | None = None, *,
-             capacity: int = DEFAULT_CAPACITY, slots: int = DEFAULT_SLOTS, seed: int = 0,
+             capacity: int | None = None, slots: int = DEFAULT_SLOTS, seed: int = 0,
              quiet: bool = False) -> "Engine":
         """Open a checkpoint directory or a preset (``tiny``; no argument = tiny) and start an executor.
 
         ``executor``: ``megakernel`` | ``graph`` | ``cpu``; None = graph when a GPU is present (the faster of the two
         bit-identical GPU paths, measured), else cpu.
-        ``capacity``: tokens per session slot. ``seed``: of the synthetic weights of a preset.
+        ``capacity``: tokens per session slot; None = DEFAULT_CAPACITY (4096), or the model's context
+        (max_position_embeddings) when smaller, as vLLM takes its default length from the model.
+        ``seed``: of the synthetic weights of a preset.
         Raises ModelLoadError (bad directory, failed validation), InvalidArgument (a ``path_or_preset`` that is not a
         str / Path, an unknown executor name, ``slots`` < 1, a capacity above the model's context or one whose
         state does not fit in memory), ExecutorUnavailable (a
@@ -140,7 +142,7 @@ class Engine:
         if path_or_preset is not None and not isinstance(path_or_preset, (str, Path)):
             raise InvalidArgument(f"path_or_preset: expected a checkpoint directory (str or Path) or a preset name, "
                                   f"got {type(path_or_preset).__name__} {path_or_preset!r}")
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
             raise InvalidArgument(f"capacity: expected a positive integer, got {capacity!r}")
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise InvalidArgument(f"slots: expected a positive integer (sessions open at once), got {slots!r}")
@@ -163,6 +165,8 @@ class Engine:
             msg = str(e)  # loader messages usually start with the path already: name it once
             raise ModelLoadError(msg if str(model_dir) in msg else f"model directory {model_dir}: {msg}") from e
         ctx = weights.config.max_position_embeddings
+        if capacity is None:
+            capacity = min(DEFAULT_CAPACITY, ctx)
         if capacity > ctx:  # as vLLM refuses a max_model_len above the model's context
             raise InvalidArgument(f"capacity: {capacity} tokens exceeds the model's context of {ctx} "
                                   f"(max_position_embeddings)")

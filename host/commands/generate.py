@@ -23,7 +23,7 @@ DEFAULT_MAX_NEW_TOKENS = 256  # host.sampling.DEFAULT_MAX_NEW_TOKENS (not import
 
 def model_options(f):
     """--model/--preset/--executor/--capacity, shared by generate and chat."""
-    f = click.option("--capacity", type=int, default=4096, show_default=True,
+    f = click.option("--capacity", type=int, default=None, show_default="4096, or the model's context when smaller",
                      help="Tokens per session (KV cache rows).")(f)
     f = click.option("--executor", type=click.Choice(KINDS), default=None,
                      help="Default: graph when a GPU is present (faster today), else cpu.")(f)
@@ -76,9 +76,15 @@ def check_sampling_args(kw: dict) -> None:
     p = SamplingParams(kw["temperature"], kw["top_k"], kw["top_p"], kw["seed"])
     name = kw["preset"] or (None if kw["model_dir"] else "tiny")  # Engine.load's default is the tiny preset
     ctx = PRESETS[name].max_position_embeddings if name in PRESETS else None
+    cap = kw["capacity"]
+    if cap is None:  # Engine.load's default (4096, or the model's context when smaller; a --model DIR's context
+        from host.engine import DEFAULT_CAPACITY  # is known only after loading: the API checks again there)
+        cap = min(DEFAULT_CAPACITY, ctx) if ctx else DEFAULT_CAPACITY
+        if ctx:
+            kw["capacity"] = cap
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", IgnoredArgumentWarning)
-        kw["max_new_tokens"] = check_generation_args(p, kw["max_new_tokens"], kw["capacity"], ctx, cli=True,
+        kw["max_new_tokens"] = check_generation_args(p, kw["max_new_tokens"], cap, ctx, cli=True,
                                                      context_of=f"max_position_embeddings of preset {name!r}")
     for w in caught:
         if issubclass(w.category, IgnoredArgumentWarning):

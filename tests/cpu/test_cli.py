@@ -28,7 +28,7 @@ def fake_engine(monkeypatch, text_layer):  # noqa: F811
 
     def load(kw):
         tok, tmpl = text_layer
-        e = Engine(PRESETS["tiny"], None, None, tok, tmpl, HashExecutor(capacity=kw["capacity"]))
+        e = Engine(PRESETS["tiny"], None, None, tok, tmpl, HashExecutor(capacity=kw["capacity"] or 4096))
         made.append(e)
         return e
 

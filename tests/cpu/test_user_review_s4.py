@@ -101,3 +101,23 @@ def test_version_and_raw_no_think_warning(fake_engine):
     assert "--no-think has no effect with --raw" in r.output
     r = run(["generate", "--raw", "--max-new-tokens", "1", "hello"])  # control: no warning without --no-think
     assert r.exit_code == 0 and "--no-think" not in r.output
+
+
+def test_default_capacity_follows_a_short_model_context(tiny_ckpt, tmp_path):
+    """No capacity given: 4096, or the model's context when smaller (vLLM takes its default length from the model);
+    before, a model with max_position_embeddings 64 failed to load with the default. An explicit capacity above the
+    context is still refused (control)."""
+    import json
+    import shutil
+    d = tmp_path / "short"
+    shutil.copytree(tiny_ckpt, d)
+    cfgp = d / "config.json"
+    c = json.loads(cfgp.read_text())
+    (c.get("text_config") or c)["max_position_embeddings"] = 64
+    cfgp.write_text(json.dumps(c))
+    eng = Engine.load(str(d), executor="cpu", quiet=True)
+    assert eng.executor.capacity == 64 and eng.new_session().capacity == 64
+    with pytest.raises(InvalidArgument, match="capacity: 128 tokens exceeds the model's context of 64"):
+        Engine.load(str(d), executor="cpu", capacity=128, quiet=True)
+    r = run(["generate", "--model", str(d), "--executor", "cpu", "--max-new-tokens", "1", "--raw", "hi"])
+    assert r.exit_code == 0, r.output
