@@ -19,6 +19,7 @@ from typing import Sequence
 
 from host.errors import EmptyPrompt, EngineError, InvalidArgument, ModelLoadError
 from host.executors import Executor, check_kind, default_kind, make_executor
+from host.sampling import check_text
 from host.session import Generation, Session
 from loader.config import PRESETS, ConfigError, ModelConfig
 
@@ -220,14 +221,10 @@ class Engine:
         """Token ids of ``text`` (no special-token parsing beyond the tokenizer's own). Raises InvalidArgument when
         ``text`` is not a str or is not valid Unicode text (e.g. a lone surrogate from undecodable bytes, as
         Python's ``surrogateescape`` makes of invalid UTF-8 on the command line); ``what`` names it."""
-        from loader.tokenizer import TokenizerError
-
         if not isinstance(text, str):
             raise InvalidArgument(f"{what}: expected a str, got {type(text).__name__}")
-        try:
-            return self.tokenizer.encode(text)
-        except TokenizerError as e:
-            raise InvalidArgument(f"{what}: not valid UTF-8 text ({e})") from e
+        check_text(text, what)
+        return self.tokenizer.encode(text)
 
     # ------------------------------------------------------------------ one-shot calls (fresh state)
     def generate(self, prompt_ids: Sequence[int], **kw) -> Generation:

@@ -4,7 +4,7 @@ The math lives in the reference ops (``assembler.ref.ops.argmax``: lowest id win
 ``assembler.ref.ops.sample``: transformers' temperature → top-k (value threshold) → top-p tie rules);
 this module only validates parameters, masks the padding rows and owns the seeded generator
 (``numpy.random.Generator(PCG64(seed))``), so a (prompt, params, seed) triple always gives the same tokens.
-It also holds the argument checks the Python API and the CLI share (``check_generation_args``).
+It also holds the argument checks the Python API and the CLI share (``check_generation_args``, ``check_text``).
 """
 from __future__ import annotations
 
@@ -98,6 +98,17 @@ def check_generation_args(params: SamplingParams, max_new_tokens: int | None, ca
                       "to sample"))
             warnings.warn(IgnoredArgumentWarning(msg, tuple(names)), stacklevel=_outside_host_stacklevel())
     return n
+
+
+def check_text(text: str, what: str) -> None:
+    """InvalidArgument naming ``what`` when ``text`` cannot be UTF-8 encoded: bytes that are not UTF-8 on the
+    command line or stdin (Python keeps them as lone surrogates), which the tokenizer refuses. Used by
+    ``Engine.encode`` and by the CLI before the model loads."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgument(f"{what}: not valid UTF-8 (undecodable byte at character {e.start}); pass UTF-8 "
+                              f"text") from None
 
 
 def _outside_host_stacklevel() -> int:

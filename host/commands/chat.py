@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import click
 
-from host.commands.generate import (check_model_args, check_sampling_args, check_text, gen_kwargs, handle_errors,
-                                   load_engine, model_options, sampling_options, timing_line, warned_already)
+from host.commands.generate import (check_model_args, check_sampling_args, gen_kwargs, handle_errors, load_engine,
+                                   model_options, sampling_options, timing_line, warned_already)
 from host.errors import GenerationInterrupted, InvalidArgument, PromptTooLong
 
 HELP = ("commands: /reset clears the conversation, /exit or /quit ends the chat, /help lists them; "
@@ -42,6 +42,8 @@ def command(system, timings, **kw):
     """Chat interactively (keeps the session between turns)."""
     check_model_args(kw)
     check_sampling_args(kw)  # bad sampling flags fail before the model loads
+    from host.sampling import check_text
+
     if system:
         check_text(system, "--system")
     eng = load_engine(kw)

@@ -93,18 +93,6 @@ def check_sampling_args(kw: dict) -> None:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
 
-def check_text(text: str, what: str) -> None:
-    """InvalidArgument when ``text`` cannot be UTF-8 encoded: the command line or stdin held bytes that are not
-    UTF-8 (Python keeps them as lone surrogates), which the tokenizer would refuse after the model loads."""
-    from host.errors import InvalidArgument
-
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidArgument(f"{what}: not valid UTF-8 (undecodable byte at character {e.start}); pass UTF-8 "
-                              f"text") from None
-
-
 @contextlib.contextmanager
 def warned_already():
     """Around the API calls of a command whose flags ``check_sampling_args`` checked: its warnings were printed
@@ -186,6 +174,8 @@ def command(prompt, raw, as_json, **kw):
     text = read_prompt(prompt)
     if not text.strip():
         raise EmptyPrompt("the prompt is empty")
+    from host.sampling import check_text
+
     check_text(text, "prompt")  # before the model loads
     eng = load_engine(kw)
     with warned_already():
