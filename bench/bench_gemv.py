@@ -51,11 +51,12 @@ def check_rows(out_u16, w, s, x, rows, S):
     return bool(ok.all()), int((~ok).sum())
 
 
-# build variants (results must not depend on them). Session 4: QMK_GEMV_M1 picks the M = 1 kernel (0: the general
-# kernel, 1: *_m1 shared-memory ring, 2: *_m1r register tile; default: the M1_MIN_UNITS rule of discrete/gemv.py).
+# build variants (results must not depend on them). QMK_GEMV_M1 picks the M = 1 kernel (0: the general kernel,
+# 1: *_m1 cp.async ring, 2: *_m1r register tile, 3: *_m1t* TMA ring; default: the rule of discrete/gemv.py).
 # Earlier sweeps (ringR = QMK_GEMV_RING_MAX, cpB = QMK_GEMV_CP_L2, xbranch = QMK_GEMV_X_MASK) are in the run-4 and
 # run-8 JSON (docs/kernels-gemv.md).
-VARIANTS = {"noM1": {"QMK_GEMV_M1": 0}, "m1ring": {"QMK_GEMV_M1": 1}, "m1reg": {"QMK_GEMV_M1": 2}}
+VARIANTS = {"noM1": {"QMK_GEMV_M1": 0}, "m1ring": {"QMK_GEMV_M1": 1}, "m1reg": {"QMK_GEMV_M1": 2},
+            "m1tma": {"QMK_GEMV_M1": 3}}
 LMH_VARIANTS = {"xbranch": {"QMK_GEMV_X_MASK": 2}, "pf0": {"QMK_LD_L2_PREFETCH": 0},
                 "st3mb3pf256": {"QMK_GEMV_STAGES": 3, "QMK_LMH_MIN_BLOCKS": 3, "QMK_LD_L2_PREFETCH": 256}}
 

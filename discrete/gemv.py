@@ -11,9 +11,11 @@ captured into a CUDA graph.
 block normalises x into shared memory with the standalone norm kernel's device function (same bits), block 0
 stores the normed rows where the caller asks (``normed=``), and the GEMV runs on them.
 
-M = 1 launches of fp8 shapes with long warp tasks (≥ ``M1_MIN_UNITS`` K-blocks: gate|up, down) use the
-``*_m1`` kernels (M fixed at compile time, shared-memory weight ring of ``M1_RING``), measured faster there
-(docs/kernels-gemv.md run 8); same bits as the general kernels.
+M = 1 launches of fp8 shapes use builds with M fixed at compile time (docs/kernels-gemv.md runs 8-9), same bits
+as the general kernels: warp tasks of ≥ ``TMA_MIN_UNITS`` K-blocks (gate|up, down, the q|k|v projections) the
+``*_m1t1`` / ``*_m1t2`` kernels, whose weights reach shared memory by TMA (a 2D tensor map of the weight, built
+here with the driver's ``cuTensorMapEncodeTiled``); shorter tasks (z, out, o) the register-ring tile
+``*_m1r``. ``*_m1`` (the cp.async ring) remains for ``QMK_GEMV_M1=1``.
 """
 from __future__ import annotations
 
@@ -34,8 +36,13 @@ UNIT_BYTES = 2048    # QMK_GEMV_UNIT_BYTES: one ring slot per warp (16 rows x 12
 NORM_STATIC_SMEM = 8 * 32  # static shared bytes of the *_norm_partial kernels (double red[warps ≤ 32])
 M1_RING = 2          # ring depth of the fp8 M = 1 kernels (*_m1, always the shared-memory ring): 2 measured
                      # fastest (session 4, bench/probes/gemv_probe.py --ring; docs/kernels-gemv.md run 8)
-M1_MIN_UNITS = 16    # ... used for shapes whose warp tasks span ≥ this many K-blocks (gate|up 40, down 17):
-                     # faster there, slower than the register tile on short tasks (z/out/o 5-6, q|k|v 10; run 8)
+M1_MIN_UNITS = 16    # session 4's rule for *_m1 (tasks of >= this many K-blocks: gate|up 40, down 17); replaced
+                     # by the TMA kernels in session 5 (TMA_MIN_UNITS), kept for QMK_GEMV_M1=1
+TMA_MIN_UNITS = 10   # M = 1 fp8 tasks spanning >= this many K-blocks take the TMA kernels (run 9: +3-5 points on
+                     # gate|up 40, down 17, q|k|v 10; z/out/o at 5-6 no better than the register tile)
+TMA_RING = 2         # stages per warp (run 9: 2 fastest at every warp count and box width)
+TMA_MAX_WARPS = 20   # slices of more tasks per SM spread them over TMA_SPREAD_WARPS warps (attn q|k|v: 28 tasks,
+TMA_SPREAD_WARPS = 16  # 16 warps measured fastest, run 9)
 FUSE_MAX_SPLIT = 8   # __call__ fuses the reduce for M = 1 and S ≤ this (measured: faster there, slower at M = 8
                      # and at S = 40; docs/kernels-gemv.md run 4)
 
@@ -52,6 +59,41 @@ def ring_depth(tasks_per_slice: int, warps: int, smem_optin: int, ring_max: int 
     _need(R >= 2, f"gemv: {used} warps need {2 * used * UNIT_BYTES} B of shared memory for a 2-deep ring, "
                   f"the device allows {smem_optin}")
     return R, used * R * UNIT_BYTES
+
+
+def tma_plan(tasks_per_slice: int, units_per_task: int) -> tuple[int, int]:
+    """(K-blocks per TMA box, warps that take tasks) of an M = 1 TMA launch: boxes of 2 K-blocks (256-byte row
+    pieces) when the task's K-block count is even, else 1 (no bytes past the task); every task on its own warp up
+    to TMA_MAX_WARPS, else TMA_SPREAD_WARPS warps (measured, docs/kernels-gemv.md run 9)."""
+    kpb = 2 if units_per_task % 2 == 0 else 1
+    na = tasks_per_slice if tasks_per_slice <= TMA_MAX_WARPS else TMA_SPREAD_WARPS
+    return kpb, max(1, na)
+
+
+def tma_smem(kpb: int, na: int, ring: int = TMA_RING) -> int:
+    """Dynamic shared bytes of the TMA ring: na warps × ring stages of 16 rows × 128·kpb bytes, one 8-byte
+    mbarrier per stage, 128 bytes of alignment slack (gemv.cu gemv_fp8_partial_m1t*)."""
+    return na * ring * (2048 * kpb + 8) + 128
+
+
+def tensor_map(w, kpb: int):
+    """CUtensorMap of a row-major fp8 weight w (CuPy uint8 [N, K]) for TMA boxes of 16 rows × 128·kpb bytes, as a
+    CuPy uint64 [16] array (128 bytes in device memory, read by the kernels' cp.async.bulk.tensor). The box never
+    leaves the matrix (K is a multiple of 128·kpb per task); L2 promotion 256 B. Raises RuntimeError with the
+    driver's error."""
+    import cupy as cp
+    from cuda.bindings import driver as drv
+    N, K = (int(v) for v in w.shape)
+    u64, u32 = drv.cuuint64_t, drv.cuuint32_t
+    err, tm = drv.cuTensorMapEncodeTiled(
+        drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, int(w.data.ptr), [u64(K), u64(N)], [u64(K)],
+        [u32(128 * kpb), u32(ROW_TILE)], [u32(1), u32(1)], drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
+        drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuTensorMapEncodeTiled for a [{N}, {K}] fp8 weight (box 16 x {128 * kpb}): {err}")
+    return cp.asarray(np.array([int(v) for v in tm.opaque], dtype=np.uint64))
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -118,6 +160,7 @@ class Gemv:
         self.n_out = N // 2 if epilogue == "swiglu" else N
         ring_max = int((defines or {}).get("QMK_GEMV_RING_MAX", RING_MAX))
         optin = cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, dev.id)
+        optin_all = int(optin)
         self.norm_weight = norm_weight
         xs_max = 0  # norm prologue: shared bytes of the normed rows, after the ring
         if norm_weight is not None:
@@ -127,7 +170,7 @@ class Gemv:
         tasks = int((slices[:, 1] - slices[:, 0]).max())
         self.ring, self.smem = ring_depth(tasks, warps, int(optin), ring_max)
         self.counters = cp.zeros(self.n_out // ROW_TILE, cp.uint32)  # fused reduce: arrivals per output tile
-        mod = module(cfg, defines)
+        mod = module(cfg, {k: v for k, v in (defines or {}).items() if k != "QMK_GEMV_M1"})  # Python-only knob
         kind = "fp8" if self.fp8 else "bf16"
         kname = f"gemv_{kind}_norm_partial" if norm_weight is not None else f"gemv_{kind}_partial"
         raw = mod.get_function(kname)
@@ -136,14 +179,26 @@ class Gemv:
         self._partial = Kernel(raw, self.pdl, f"{name}.partial")
         # M = 1 (decode): the fp8 kernels' *_m1 build (M fixed at compile time, shared-memory ring of M1_RING)
         self._partial_m1 = None
-        # M = 1 kernel: "ring" (*_m1) for long warp tasks, "reg" (*_m1r) otherwise; QMK_GEMV_M1 (benchmarks,
-        # tests): 0 = the general kernel, 1 = ring, 2 = reg, -1 (default) = the rule
+        # M = 1 kernel: "tma" (*_m1t1 / *_m1t2) for warp tasks of >= TMA_MIN_UNITS K-blocks, "reg" (*_m1r)
+        # otherwise; QMK_GEMV_M1 (benchmarks, tests): 0 = the general kernel, 1 = the cp.async ring (*_m1),
+        # 2 = reg, 3 = tma, -1 (default) = the rule
         m1_knob = int((defines or {}).get("QMK_GEMV_M1", -1))
-        long_tasks = (K // 128) // self.split >= M1_MIN_UNITS
+        units = (K // 128) // self.split
         self.m1_kind = None if not self.fp8 or m1_knob == 0 else \
-            {1: "ring", 2: "reg"}.get(m1_knob, "ring" if long_tasks else "reg")
+            {1: "ring", 2: "reg", 3: "tma"}.get(m1_knob, "tma" if units >= TMA_MIN_UNITS else "reg")
         self.use_m1 = self.m1_kind is not None
-        if self.use_m1:
+        self.tmap, self.tma_warps = None, 0
+        if self.m1_kind == "tma":
+            kpb, self.tma_warps = tma_plan(tasks, units)
+            self.tmap = tensor_map(w, kpb)
+            self.ring_m1, self.smem_m1 = TMA_RING, tma_smem(kpb, self.tma_warps)
+            xs1 = K * 2 if norm_weight is not None else 0  # M = 1: one normed row
+            _need(self.smem_m1 + xs1 + NORM_STATIC_SMEM <= optin_all,
+                  f"{name}: the TMA ring needs {self.smem_m1 + xs1} B of shared memory, the device allows {optin_all}")
+            raw1 = mod.get_function(f"{kname}_m1t{kpb}")
+            _allow_smem(raw1, self.smem_m1 + xs1)
+            self._partial_m1 = Kernel(raw1, self.pdl, f"{name}.partial_m1")
+        elif self.use_m1:
             self.ring_m1, self.smem_m1 = ring_depth(tasks, warps, int(optin), M1_RING) if self.m1_kind == "ring" \
                 else (0, 0)
             raw1 = mod.get_function(kname + ("_m1" if self.m1_kind == "ring" else "_m1r"))
@@ -211,6 +266,8 @@ class Gemv:
             head += (x,)
         args = head + (n(M), n(self.N), n(self.K), n(self.split), self.slices, P, n(ring), n(epi),
                        residual, out, counters)
+        if m1 and self.tmap is not None:  # the TMA kernels: the weight's tensor map and the warps taking tasks
+            args += (self.tmap, n(self.tma_warps))
         kernel((len(self.slices),), (self.threads,), args, shared_mem=smem)
 
     def _check_x(self, x, normed=None) -> int:

@@ -77,6 +77,40 @@ gemv_fp8_partial_m1r(const qmk_u8* __restrict__ W, const qmk_u16* __restrict__ s
     gemv_fp8_partial_body<1, 0>(W, scale, x, M, N, K, S, slices, P, ring, epi, resid, out, counters);
 }
 
+// The M = 1 builds fed by the TMA ring (gemv.cuh QmkGemvTma; KPB = 1 or 2 K-blocks per box): arguments of
+// gemv_fp8_partial plus tmap (a CUtensorMap of W in global memory, box 16 rows × 128·KPB bytes) and na (warps
+// that take tasks, ≤ QMK_GEMV_WARPS); ring = R stages per warp; W itself is not read (the map addresses it).
+// Dynamic shared memory: na · R · (2048 · KPB + 8) + 128 bytes. The first R − 1 boxes per warp are issued before
+// the PDL wait (weights only), so a kernel launched early fills its ring while its predecessor drains.
+__device__ __forceinline__ qmk_u32 qmk_gemv_tma_smem_base(const void* dyn) {
+    return ((qmk_u32)__cvta_generic_to_shared(dyn) + 127u) & ~127u;
+}
+template <int KPB>
+__device__ __forceinline__ void gemv_fp8_partial_tma_body(const qmk_u16* __restrict__ scale, const qmk_u16* x, int M,
+                                                          int N, int K, int S, const QmkGemvSlice* __restrict__ slices,
+                                                          float* P, int ring, int epi, const qmk_u16* resid,
+                                                          qmk_u16* out, unsigned int* counters, const void* tmap,
+                                                          int na) {
+    extern __shared__ __align__(16) qmk_u8 qmk_gemv_ring_smem[];
+    qmk_pdl_launch_dependents();
+    QmkGemvTma<KPB> q;
+    q.begin(tmap, qmk_gemv_tma_smem_base(qmk_gemv_ring_smem), na, ring, K, S, slices[blockIdx.x]);
+    qmk_pdl_wait();
+    qmk_gemv_slice_tma<KPB, 1>(q, scale, x, M, N, K, S, slices[blockIdx.x], P, epi, resid, out, counters);
+}
+extern "C" __global__ void __launch_bounds__(32 * QMK_GEMV_WARPS, 1)
+gemv_fp8_partial_m1t1(const qmk_u8* __restrict__ W, const qmk_u16* __restrict__ scale, const qmk_u16* x, int M, int N,
+                      int K, int S, const QmkGemvSlice* __restrict__ slices, float* P, int ring, int epi,
+                      const qmk_u16* resid, qmk_u16* out, unsigned int* counters, const void* tmap, int na) {
+    gemv_fp8_partial_tma_body<1>(scale, x, M, N, K, S, slices, P, ring, epi, resid, out, counters, tmap, na);
+}
+extern "C" __global__ void __launch_bounds__(32 * QMK_GEMV_WARPS, 1)
+gemv_fp8_partial_m1t2(const qmk_u8* __restrict__ W, const qmk_u16* __restrict__ scale, const qmk_u16* x, int M, int N,
+                      int K, int S, const QmkGemvSlice* __restrict__ slices, float* P, int ring, int epi,
+                      const qmk_u16* resid, qmk_u16* out, unsigned int* counters, const void* tmap, int na) {
+    gemv_fp8_partial_tma_body<2>(scale, x, M, N, K, S, slices, P, ring, epi, resid, out, counters, tmap, na);
+}
+
 // W [N, K] bf16 (scale 1), otherwise as above.
 extern "C" __global__ void __launch_bounds__(32 * QMK_GEMV_BF16_WARPS, 1)
 gemv_bf16_partial(const qmk_u16* __restrict__ W, const qmk_u16* x, int M, int N, int K, int S,
@@ -149,6 +183,40 @@ gemv_fp8_norm_partial_m1r(const qmk_u8* __restrict__ W, const qmk_u16* __restric
                           qmk_u16* out, unsigned int* counters) {
     gemv_fp8_norm_partial_body<1, 0>(W, scale, x, nw, xn_out, xs_off, M, N, K, S, slices, P, ring, epi, resid, out,
                                      counters);
+}
+
+// The M = 1 TMA builds of gemv_fp8_norm_partial (as gemv_fp8_partial_m1t*; xs at byte xs_off of the dynamic
+// shared memory, after the TMA ring).
+template <int KPB>
+__device__ __forceinline__ void gemv_fp8_norm_partial_tma_body(
+    const qmk_u16* __restrict__ scale, const qmk_u16* x, const qmk_u16* __restrict__ nw, qmk_u16* xn_out, int xs_off,
+    int M, int N, int K, int S, const QmkGemvSlice* __restrict__ slices, float* P, int ring, int epi,
+    const qmk_u16* resid, qmk_u16* out, unsigned int* counters, const void* tmap, int na) {
+    extern __shared__ __align__(16) qmk_u8 qmk_gemv_norm_smem[];
+    qmk_pdl_launch_dependents();
+    QmkGemvTma<KPB> q;
+    q.begin(tmap, qmk_gemv_tma_smem_base(qmk_gemv_norm_smem), na, ring, K, S, slices[blockIdx.x]);
+    qmk_pdl_wait();
+    __shared__ double red[QMK_GEMV_WARPS];
+    qmk_u16* xs = reinterpret_cast<qmk_u16*>(qmk_gemv_norm_smem + xs_off);
+    qmk_gemv_norm_prologue<QMK_GEMV_WARPS>(x, nw, xn_out, M, K, xs, red);
+    qmk_gemv_slice_tma<KPB, 1>(q, scale, xs, M, N, K, S, slices[blockIdx.x], P, epi, resid, out, counters);
+}
+extern "C" __global__ void __launch_bounds__(32 * QMK_GEMV_WARPS, 1)
+gemv_fp8_norm_partial_m1t1(const qmk_u8* __restrict__ W, const qmk_u16* __restrict__ scale, const qmk_u16* x,
+                           const qmk_u16* __restrict__ nw, qmk_u16* xn_out, int xs_off, int M, int N, int K, int S,
+                           const QmkGemvSlice* __restrict__ slices, float* P, int ring, int epi,
+                           const qmk_u16* resid, qmk_u16* out, unsigned int* counters, const void* tmap, int na) {
+    gemv_fp8_norm_partial_tma_body<1>(scale, x, nw, xn_out, xs_off, M, N, K, S, slices, P, ring, epi, resid, out,
+                                        counters, tmap, na);
+}
+extern "C" __global__ void __launch_bounds__(32 * QMK_GEMV_WARPS, 1)
+gemv_fp8_norm_partial_m1t2(const qmk_u8* __restrict__ W, const qmk_u16* __restrict__ scale, const qmk_u16* x,
+                           const qmk_u16* __restrict__ nw, qmk_u16* xn_out, int xs_off, int M, int N, int K, int S,
+                           const QmkGemvSlice* __restrict__ slices, float* P, int ring, int epi,
+                           const qmk_u16* resid, qmk_u16* out, unsigned int* counters, const void* tmap, int na) {
+    gemv_fp8_norm_partial_tma_body<2>(scale, x, nw, xn_out, xs_off, M, N, K, S, slices, P, ring, epi, resid, out,
+                                        counters, tmap, na);
 }
 
 // gemv_bf16_partial on RMSNorm(x; nw), arguments and shared memory as gemv_fp8_norm_partial.

@@ -434,3 +434,155 @@ __device__ __forceinline__ void qmk_gemv_slice_ring(const void* W, const qmk_u16
         if (epi >= 0) qmk_gemv_finish_tile(P, S, M, N, epi, tile, counters, resid, out);
     }
 }
+
+// ---------------------------------------------------------------- TMA weight ring (M = 1 kernels, session 5)
+// Same tasks, same tile math and fold as qmk_gemv_tile (bit-identical partials), but the weights reach shared
+// memory by TMA: each warp streams its tasks (t = task_start + warp + i·NA, NA ≤ the block's warps) through a
+// ring of R stages, one stage = one 2D tensor-map box of 16 rows × 128·KPB bytes (KPB K-blocks of one tile,
+// straight from the row-major weight; the map is built on the host, discrete/gemv.py), its completion tracked
+// by one mbarrier per stage. Lane 0 issues the boxes R − 1 ahead, continuously across the warp's tasks, so no
+// register holds bytes in flight and a warp's next task starts streaming while its current one computes. A box
+// may run past its task's K range (KPB = 2 and an odd per-split K-block count): those bytes are not read.
+// Measured on the H200 (bench/probes/tma_probe.py, docs/kernels-gemv.md run 9): +3-5 points of bandwidth over
+// the *_m1 ring on the long-task shapes, R = 2 fastest at every warp count (deeper: slower, as the cp.async ring).
+// Shared memory per warp: R · (16 · 128 · KPB + 8) bytes (stages, then the R mbarriers), 128-byte aligned base.
+__device__ __forceinline__ void qmk_mbar_init(qmk_u32 bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+// Arrive once and expect `bytes` more transaction bytes in the current phase.
+__device__ __forceinline__ void qmk_mbar_expect_tx(qmk_u32 bar, int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Whether the phase with the given parity has completed (acquire at CTA scope: the TMA's bytes are visible).
+__device__ __forceinline__ bool qmk_mbar_try_wait(qmk_u32 bar, qmk_u32 parity) {
+    qmk_u32 ok;
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(ok)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return ok != 0;
+}
+// 2D tensor-map copy global → shared: box at (c0 = innermost element, c1 = row), completion counted on bar.
+// tmap: generic address of a CUtensorMap in global memory (written before the launch).
+__device__ __forceinline__ void qmk_tma_load_2d(qmk_u32 dst, const void* tmap, int c0, int c1, qmk_u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+        ::"r"(dst), "l"(tmap), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
+}
+
+template <int KPB>
+struct QmkGemvTma {
+    static constexpr int PITCH = QMK_KBLK * KPB, STAGE = QMK_ROW_TILE * PITCH;  // bytes
+    const void* tmap;
+    qmk_u32 base, bars;           // this warp's stages and mbarriers (shared-window addresses)
+    int R, S, per, nbox, stride, t_end;
+    int it, ib, islot;            // issue cursor: task, box within it, ring slot
+    int cslot;                    // consume cursor: ring slot
+    qmk_u32 parity;               // bit i: the phase slot i completes next
+
+    // Start of every launch (lane-uniform per warp): this warp's ring at smem + warp · R · STAGE (barriers after
+    // all NA warps' stages), lane 0 initialises its R barriers, then the first R − 1 boxes are issued. Touches
+    // only the weights (safe before a PDL wait). Warps ≥ na get no tasks.
+    __device__ __forceinline__ void begin(const void* tmap_, qmk_u32 smem, int na, int R_, int K, int S_,
+                                          QmkGemvSlice sl) {
+        const int warp = threadIdx.x >> 5;
+        tmap = tmap_;
+        R = R_;
+        S = S_;
+        per = (K / QMK_KBLK) / S;
+        nbox = (per + KPB - 1) / KPB;
+        stride = na;
+        it = sl.task_start + warp;
+        t_end = warp < na ? sl.task_end : it;
+        ib = islot = cslot = 0;
+        parity = 0u;
+        base = smem + warp * R * STAGE;
+        bars = smem + na * R * STAGE + warp * R * 8;
+        if (warp < na && (threadIdx.x & 31) == 0) {
+            for (int i = 0; i < R; ++i) qmk_mbar_init(bars + 8 * i, 1);
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+        __syncwarp();
+        for (int i = 0; i < R - 1; ++i) issue();
+    }
+    // Issue the next box of the warp's stream (nothing past its last task).
+    __device__ __forceinline__ void issue() {
+        if (it >= t_end) return;
+        const int tile = it / S, split = it - tile * S;
+        if ((threadIdx.x & 31) == 0) {
+            qmk_mbar_expect_tx(bars + 8 * islot, STAGE);
+            qmk_tma_load_2d(base + islot * STAGE, tmap, (split * per + ib * KPB) * QMK_KBLK, tile * QMK_ROW_TILE,
+                            bars + 8 * islot);
+        }
+        islot = islot + 1 == R ? 0 : islot + 1;
+        if (++ib == nbox) {
+            ib = 0;
+            it += stride;
+        }
+    }
+};
+
+// One task (16-row tile at row0, K-blocks [kb0, kb1)) from the TMA ring: the accumulator fragment as
+// qmk_gemv_tile. Consumes the task's boxes in the ring's order (the caller walks its tasks in the issue order).
+template <int KPB, int MC>
+__device__ __forceinline__ void qmk_gemv_tile_tma(float (&acc)[4], QmkGemvTma<KPB>& q, const qmk_u16* scale,
+                                                  const qmk_u16* x, int M_, int K, int row0, int kb0, int kb1) {
+    constexpr int PITCH = QmkGemvTma<KPB>::PITCH, STAGE = QmkGemvTma<KPB>::STAGE;
+    const int M = MC > 0 ? MC : M_;
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const qmk_u16* srow = scale + (size_t)(row0 / QMK_KBLK) * (K / QMK_KBLK);
+    const bool xvalid = g < M;
+    const qmk_u16* xrow = x + (size_t)qmk_gemv_xrow(g, M) * K;
+    acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+    for (int kb = kb0; kb < kb1; kb += KPB) {
+        __syncwarp();  // the slot refilled now was read by every lane (its mma.sync ran) before lane 0 reissues it
+        q.issue();
+        const qmk_u32 st = q.base + q.cslot * STAGE;
+        const qmk_u32 bar = q.bars + 8 * q.cslot, par = (q.parity >> q.cslot) & 1u;
+        q.parity ^= 1u << q.cslot;
+        q.cslot = q.cslot + 1 == q.R ? 0 : q.cslot + 1;
+        uint4 xv[KPB][4];  // every K-block's activation and scale issued before the wait (run 9: loading the
+        float sc[KPB];     // second block's after it cost 9 points on gate|up); past kb1: a repeat, unused
+#pragma unroll
+        for (int kk = 0; kk < KPB; ++kk) {
+            const int k = kb + kk < kb1 ? kb + kk : kb1 - 1;
+            qmk_gemv_load_x<QMK_W_FP8>(xv[kk], xrow, xvalid, k, c);
+            sc[kk] = qmk_bf2f(__ldg(srow + k));
+        }
+        while (!qmk_mbar_try_wait(bar, par)) {
+        }
+#pragma unroll
+        for (int kk = 0; kk < KPB; ++kk) {
+            if (kk > 0 && kb + kk >= kb1) break;
+            const qmk_u32 p = st + g * PITCH + kk * QMK_KBLK + 16 * c;
+            uint4 w[4];
+            w[0] = qmk_lds16(p);
+            w[1] = qmk_lds16(p + 64);
+            w[2] = qmk_lds16(p + 8 * PITCH);
+            w[3] = qmk_lds16(p + 8 * PITCH + 64);
+            float d[4] = {0.f, 0.f, 0.f, 0.f};
+            qmk_gemv_unit_mma_x<QMK_W_FP8>(d, w, xv[kk]);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(sc[kk], d[j]));
+        }
+    }
+}
+
+// A whole slice with the TMA ring (after q.begin): the warp's tasks in issue order, partials out and, for
+// epi ≥ 0, the fused reduce + epilogue (as qmk_gemv_slice_ring).
+template <int KPB, int MC>
+__device__ __forceinline__ void qmk_gemv_slice_tma(QmkGemvTma<KPB>& q, const qmk_u16* scale, const qmk_u16* x, int M_,
+                                                   int N, int K, int S, QmkGemvSlice sl, float* P, int epi,
+                                                   const qmk_u16* resid, qmk_u16* out, unsigned int* counters) {
+    const int M = MC > 0 ? MC : M_;
+    const int per = (K / QMK_KBLK) / S;
+    for (int t = sl.task_start + (int)(threadIdx.x >> 5); t < q.t_end; t += q.stride) {
+        const int tile = t / S, split = t - tile * S, row0 = tile * QMK_ROW_TILE;
+        float acc[4];
+        qmk_gemv_tile_tma<KPB, MC>(acc, q, scale, x, M, K, row0, split * per, (split + 1) * per);
+        qmk_gemv_store_partial(acc, P, M, N, split, row0);
+        if (epi >= 0) qmk_gemv_finish_tile(P, S, M, N, epi, tile, counters, resid, out);
+    }
+}

@@ -197,9 +197,9 @@ FP8_CASES = [(p, s) for p, s in CASES if s[3]]
 
 @pytest.mark.parametrize("pname,shape", FP8_CASES, ids=[f"{p}-{s[0]}" for p, s in FP8_CASES])
 def test_m1_kernels_bit_identical(gpu, pname, shape):
-    """The M = 1 kernels (M fixed at compile time: *_m1 with the shared-memory ring, *_m1r with the register tile;
-    chosen by the M1_MIN_UNITS rule) give the general kernel's bits on every fp8 shape, each forced (QMK_GEMV_M1 =
-    1, 2) against the general kernel (0): partials, the fused
+    """The M = 1 kernels (M fixed at compile time: *_m1 with the cp.async ring, *_m1r with the register tile,
+    *_m1t1 / *_m1t2 fed by TMA; the default picks by discrete.gemv.TMA_MIN_UNITS) give the general kernel's bits on
+    every fp8 shape, each forced (QMK_GEMV_M1 = 1, 2, 3) against the general kernel (0): partials, the fused
     launch and partial + reduce, for a row taken from inside an 8-row batch. Negative control: a different row's
     output must differ."""
     from discrete.gemv import Gemv
@@ -209,9 +209,9 @@ def test_m1_kernels_bit_identical(gpu, pname, shape):
     w_d, s_d = dev(w), dev(s)
     r = rand_bf16(rng, (1, N)) if epi == "residual" else None
     outs = {}
-    for knob in (1, 2, 0):
+    for knob in (1, 2, 3, 0):
         g = Gemv(cfg, w_d, s_d, epilogue=epi, name=name, defines={"QMK_GEMV_M1": knob})
-        assert g.m1_kind == {1: "ring", 2: "reg", 0: None}[knob]
+        assert g.m1_kind == {1: "ring", 2: "reg", 3: "tma", 0: None}[knob]
         partials = cp.empty(g.partials_size(1), cp.float32)
         got = {}
         for row in (3, 5):
@@ -223,7 +223,7 @@ def test_m1_kernels_bit_identical(gpu, pname, shape):
                 g(x1, out, partials, residual=dev(r) if r is not None else None, fused=fused)
                 got[f"out{row}_{fused}"] = cp.asnumpy(out)
         outs[knob] = got
-    for knob in (1, 2):
+    for knob in (1, 2, 3):
         for k, v in outs[0].items():
             assert np.array_equal(outs[knob][k], v), \
                 f"{pname}/{name}: {k} differs between the M=1 kernel ({knob}) and the general kernel"
