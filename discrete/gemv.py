@@ -12,10 +12,10 @@ block normalises x into shared memory with the standalone norm kernel's device f
 stores the normed rows where the caller asks (``normed=``), and the GEMV runs on them.
 
 M = 1 launches of fp8 shapes use builds with M fixed at compile time (docs/kernels-gemv.md runs 8-9), same bits
-as the general kernels: warp tasks of ≥ ``TMA_MIN_UNITS`` K-blocks (gate|up, down, the q|k|v projections) the
-``*_m1t1`` / ``*_m1t2`` kernels, whose weights reach shared memory by TMA (a 2D tensor map of the weight, built
-here with the driver's ``cuTensorMapEncodeTiled``); shorter tasks (z, out, o) the register-ring tile
-``*_m1r``. ``*_m1`` (the cp.async ring) remains for ``QMK_GEMV_M1=1``.
+as the general kernels: warp tasks of ≥ ``TMA_MIN_UNITS`` K-blocks in slices of ≤ ``TMA_MAX_TASKS`` tasks
+(gate|up, down, GDN q|k|v) the ``*_m1t1`` / ``*_m1t2`` kernels, whose weights reach shared memory by TMA (a 2D
+tensor map of the weight, built here with the driver's ``cuTensorMapEncodeTiled``); the others (z, out, o,
+attention q|k|v) the register-ring tile ``*_m1r``. ``*_m1`` (the cp.async ring) remains for ``QMK_GEMV_M1=1``.
 """
 from __future__ import annotations
 
@@ -39,10 +39,11 @@ M1_RING = 2          # ring depth of the fp8 M = 1 kernels (*_m1, always the sha
 M1_MIN_UNITS = 16    # session 4's rule for *_m1 (tasks of >= this many K-blocks: gate|up 40, down 17); replaced
                      # by the TMA kernels in session 5 (TMA_MIN_UNITS), kept for QMK_GEMV_M1=1
 TMA_MIN_UNITS = 10   # M = 1 fp8 tasks spanning >= this many K-blocks take the TMA kernels (run 9: +3-5 points on
-                     # gate|up 40, down 17, q|k|v 10; z/out/o at 5-6 no better than the register tile)
+                     # gate|up 40, down 17; GDN q|k|v 10 +1; z/out/o at 5-6 no better than the register tile)
 TMA_RING = 2         # stages per warp (run 9: 2 fastest at every warp count and box width)
-TMA_MAX_WARPS = 20   # slices of more tasks per SM spread them over TMA_SPREAD_WARPS warps (attn q|k|v: 28 tasks,
-TMA_SPREAD_WARPS = 16  # 16 warps measured fastest, run 9)
+TMA_MAX_TASKS = 20   # ... and slices of at most this many tasks (one per warp; attn q|k|v has 28: spread over 16
+                     # warps its partials were faster but the fused tail, run per task, made the launch 3.6 us
+                     # slower than the register tile, run 9)
 FUSE_MAX_SPLIT = 8   # __call__ fuses the reduce for M = 1 and S ≤ this (measured: faster there, slower at M = 8
                      # and at S = 40; docs/kernels-gemv.md run 4)
 
@@ -63,11 +64,10 @@ def ring_depth(tasks_per_slice: int, warps: int, smem_optin: int, ring_max: int 
 
 def tma_plan(tasks_per_slice: int, units_per_task: int) -> tuple[int, int]:
     """(K-blocks per TMA box, warps that take tasks) of an M = 1 TMA launch: boxes of 2 K-blocks (256-byte row
-    pieces) when the task's K-block count is even, else 1 (no bytes past the task); every task on its own warp up
-    to TMA_MAX_WARPS, else TMA_SPREAD_WARPS warps (measured, docs/kernels-gemv.md run 9)."""
+    pieces) when the task's K-block count is even, else 1 (no bytes past the task); one warp per task, at most
+    the block's warps (measured, docs/kernels-gemv.md run 9)."""
     kpb = 2 if units_per_task % 2 == 0 else 1
-    na = tasks_per_slice if tasks_per_slice <= TMA_MAX_WARPS else TMA_SPREAD_WARPS
-    return kpb, max(1, na)
+    return kpb, max(1, min(tasks_per_slice, FP8_WARPS))
 
 
 def tma_smem(kpb: int, na: int, ring: int = TMA_RING) -> int:
@@ -77,11 +77,16 @@ def tma_smem(kpb: int, na: int, ring: int = TMA_RING) -> int:
 
 
 def tensor_map(w, kpb: int):
-    """CUtensorMap of a row-major fp8 weight w (CuPy uint8 [N, K]) for TMA boxes of 16 rows × 128·kpb bytes, as a
-    CuPy uint64 [16] array (128 bytes in device memory, read by the kernels' cp.async.bulk.tensor). The box never
-    leaves the matrix (K is a multiple of 128·kpb per task); L2 promotion 256 B. Raises RuntimeError with the
-    driver's error."""
+    """:func:`tensor_map_host` of w uploaded: a CuPy uint64 [16] array (128 bytes in device memory, read by the
+    kernels' cp.async.bulk.tensor)."""
     import cupy as cp
+    return cp.asarray(tensor_map_host(w, kpb))
+
+
+def tensor_map_host(w, kpb: int) -> np.ndarray:
+    """CUtensorMap of a row-major fp8 weight w (CuPy uint8 [N, K], 16-byte aligned) for TMA boxes of 16 rows ×
+    128·kpb bytes, as NumPy uint64 [16] (the driver's opaque 128 bytes). A box past column K is zero-filled by
+    the hardware (never read by the kernels); L2 promotion 256 B. Raises RuntimeError with the driver's error."""
     from cuda.bindings import driver as drv
     N, K = (int(v) for v in w.shape)
     u64, u32 = drv.cuuint64_t, drv.cuuint32_t
@@ -93,7 +98,7 @@ def tensor_map(w, kpb: int):
         drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if err != drv.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuTensorMapEncodeTiled for a [{N}, {K}] fp8 weight (box 16 x {128 * kpb}): {err}")
-    return cp.asarray(np.array([int(v) for v in tm.opaque], dtype=np.uint64))
+    return np.array([int(v) for v in tm.opaque], dtype=np.uint64)
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -185,7 +190,8 @@ class Gemv:
         m1_knob = int((defines or {}).get("QMK_GEMV_M1", -1))
         units = (K // 128) // self.split
         self.m1_kind = None if not self.fp8 or m1_knob == 0 else \
-            {1: "ring", 2: "reg", 3: "tma"}.get(m1_knob, "tma" if units >= TMA_MIN_UNITS else "reg")
+            {1: "ring", 2: "reg", 3: "tma"}.get(
+                m1_knob, "tma" if units >= TMA_MIN_UNITS and tasks <= TMA_MAX_TASKS else "reg")
         self.use_m1 = self.m1_kind is not None
         self.tmap, self.tma_warps = None, 0
         if self.m1_kind == "tma":

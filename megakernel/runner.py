@@ -9,8 +9,10 @@ instructions of stages ≤ N: every wait points at an earlier stage, so the pref
 (a ``QMK_MK_TIMING`` build writing globaltimer stamps per instruction; see ``megakernel/timings.py``),
 ``delay_op`` (debug: the instructions of one op sleep first, so a removed wait on it shows), ``gdn_split``
 (each GDN_STEP's value heads spread over that many SMs: :func:`split_gdn`; default: the head group, one value head
-per instruction), ``fuse_reduce`` (default True: the split-K reduce inside the GEMV instructions, the last arriving
-warp of a tile reduces it; False: separate GEMV_REDUCE instructions, assembler/scheduler.py), ``defines`` (extra ``QMK_*`` build knobs, e.g. ``QMK_MK_RING``; results never depend on them).
+per instruction), ``fuse_reduce`` (default ``DEFAULT_FUSE`` = False since session 3: separate GEMV_REDUCE
+instructions, assembler/scheduler.py; True: the split-K reduce inside the GEMV instructions, the last arriving
+warp of a tile reduces it), ``defines`` (extra ``QMK_*`` build knobs, e.g. ``QMK_MK_RING``; results never depend
+on them).
 """
 from __future__ import annotations
 
@@ -59,8 +61,8 @@ def _mk_sources_hash() -> str:
 
 def compile_defines(cfg: ModelConfig) -> list[dict]:
     """The builds the offline compile check (``// qmk: defines``) verifies: the decode build (M = 1 tiles), the
-    M-row build, and the fused-reduce tail built in. The ``QMK_MK_TIMING`` build is left out to keep CI short (checked by hand: ``compile_check`` with
-    ``mk_defines(cfg, timing=True)``)."""
+    M-row build, and the fused-reduce tail built in. The ``QMK_MK_TIMING`` build is left out to keep CI short
+    (checked by hand: ``compile_check`` with ``mk_defines(cfg, timing=True)``)."""
     return [mk_defines(cfg, fuse_reduce=f, m1=m1) for f, m1 in ((False, True), (False, False), (True, False))]
 
 

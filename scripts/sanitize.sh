@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # compute-sanitizer memcheck and racecheck over the tiny-preset megakernel and discrete-step GPU tests, on the
 # lent H200 (the device tool sets $OUT). Each tool's summary goes to $OUT/sanitize_<tool>_<what>.txt.
-# Usage: bash scripts/sanitize.sh [memcheck-mk|memcheck-step|racecheck-mk|synccheck-mk ...]   (default all, ≤ 8 min;
-# each run is time-boxed)
+# Usage: bash scripts/sanitize.sh [memcheck-mk|memcheck-step|racecheck-mk|synccheck-mk|memcheck-gemv|racecheck-gemv ...]
+# (default: the four megakernel / step runs, ≤ 8 min; each run is time-boxed). The *-gemv runs cover the M = 1 GEMV
+# kernels (cp.async ring, register tile, TMA ring: mbarriers, async-proxy shared-memory writes) on the tiny shapes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?run this on the device machine (OUT unset)}"
@@ -26,6 +27,9 @@ for r in "${runs[@]}"; do
     racecheck-mk) san racecheck megakernel 150 tests/gpu/test_megakernel.py -k "test_m1_greedy_64_steps_bit_identical" ;;
     synccheck-mk) san synccheck megakernel 100 tests/gpu/test_megakernel.py \
         -k "test_m1_greedy_64_steps_bit_identical and program" ;;
-    *) echo "sanitize.sh: unknown run $r (memcheck-mk memcheck-step racecheck-mk synccheck-mk)"; exit 2 ;;
+    memcheck-gemv) san memcheck gemv 120 tests/gpu/test_gemv.py -k "test_m1_kernels_bit_identical and tiny" ;;
+    racecheck-gemv) san racecheck gemv 120 tests/gpu/test_gemv.py -k "test_m1_kernels_bit_identical and tiny" ;;
+    *) echo "sanitize.sh: unknown run $r (memcheck-mk memcheck-step racecheck-mk synccheck-mk memcheck-gemv" \
+            "racecheck-gemv)"; exit 2 ;;
     esac
 done

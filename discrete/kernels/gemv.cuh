@@ -74,8 +74,9 @@ __device__ __forceinline__ void qmk_gemv_load_unit(uint4 (&w)[4], const qmk_u8* 
 // min(g, M-1) (the caller's xrow), so B's columns ≥ M repeat row M-1; an mma output column depends only on its
 // own B column, so columns < M are the same bits either way and the columns ≥ M are never stored. No branch and
 // no masking in the hot loop (session 4, bench/probes/gemv_probe.py --ring: the widening already loads the ALU
-// pipe, and masking or branching cost 2-4 points on gate|up). 1: rows ≥ M zeroed by a mask; 2: the load skipped
-// for rows ≥ M (before session 4). xvalid (g < M) matters only for 1 and 2.
+// pipe, and masking or branching cost 2-4 points on gate|up; a mask of rows ≥ M, measured and rejected, is in
+// docs/kernels-gemv.md run 8). 2: the load skipped for rows ≥ M (before session 4; xvalid = g < M matters only
+// there).
 #ifndef QMK_GEMV_X_MASK
 #define QMK_GEMV_X_MASK 0
 #endif
@@ -87,11 +88,7 @@ __device__ __forceinline__ void qmk_gemv_load_x(uint4 (&xv)[4 / QmkGemvTraits<WK
 #pragma unroll
     for (int i = 0; i < NX; ++i) {
         const qmk_u16* p = xrow + kb * QMK_KBLK + QmkGemvTraits<WK>::xoff(NX * h + i, c);
-#if QMK_GEMV_X_MASK == 1
-        const qmk_u32 keep = xvalid ? 0xFFFFFFFFu : 0u;
-        const uint4 v = qmk_ld16(p);
-        xv[i] = make_uint4(v.x & keep, v.y & keep, v.z & keep, v.w & keep);
-#elif QMK_GEMV_X_MASK == 2
+#if QMK_GEMV_X_MASK == 2
         xv[i] = xvalid ? qmk_ld16(p) : make_uint4(0, 0, 0, 0);
 #else
         xv[i] = qmk_ld16(p);
@@ -99,7 +96,7 @@ __device__ __forceinline__ void qmk_gemv_load_x(uint4 (&xv)[4 / QmkGemvTraits<WK
     }
 }
 
-// Row of x that lane row g reads (see qmk_gemv_load_x): g, or M-1 for g ≥ M (QMK_GEMV_X_MASK 0), or 0 (1, 2).
+// Row of x that lane row g reads (see qmk_gemv_load_x): g, or M-1 for g ≥ M (QMK_GEMV_X_MASK 0), or 0 (2).
 __device__ __forceinline__ int qmk_gemv_xrow(int g, int M) {
 #if QMK_GEMV_X_MASK == 0
     return g < M ? g : M - 1;
@@ -385,8 +382,8 @@ __device__ __noinline__
 #else
 __device__ __forceinline__
 #endif
-void qmk_gemv_finish_tile(const float* P, int S, int M, int N, int epi, int tile,
-                                                     unsigned int* counters, const qmk_u16* resid, qmk_u16* out) {
+void qmk_gemv_finish_tile(const float* P, int S, int M, int N, int epi, int tile, unsigned int* counters,
+                          const qmk_u16* resid, qmk_u16* out) {
     const int lane = threadIdx.x & 31;
     const int nt = (epi == QMK_EPI_SWIGLU ? N >> 1 : N) / QMK_ROW_TILE;  // output tiles
     const int o = tile < nt ? tile : tile - nt;                           // swiglu: up tile F/16 + o → o
