@@ -56,6 +56,16 @@ def weights(cp, N, K, copies, seed=0):
     return out
 
 
+def shape_setup(cp, xg, N, K, S):
+    """Operands of one probe shape: (weight + scale bytes, weight copies over > 2 × L2, x [1, K] bf16 bits from
+    the float rows xg, slices on the device, the most tasks any slice holds)."""
+    nb = N * K + (-(-N // 128)) * (K // 128) * 2
+    ws = weights(cp, N, K, copies_for(nb))
+    x = cp.asarray((xg[:1, :K].view(np.uint32) >> 16).astype(np.uint16))
+    sl_host = gemv_slices(N, K, S)
+    return nb, ws, x, cp.asarray(sl_host), int((sl_host[:, 1] - sl_host[:, 0]).max())
+
+
 def main(argv=None) -> int:
     import cupy as cp
     from discrete.gemv import Gemv
@@ -273,12 +283,7 @@ def ring_knobs(cfg, out_dir, a_quick=False) -> int:
     rows = []
     xg = np.random.default_rng(0).standard_normal((1, 17408)).astype(np.float32)
     for name, (N, K, S) in RING_SHAPES.items():
-        nb = N * K + (-(-N // 128)) * (K // 128) * 2
-        ws = weights(cp, N, K, copies_for(nb))
-        x = cp.asarray((xg[:, :K].view(np.uint32) >> 16).astype(np.uint16))
-        sl_host = gemv_slices(N, K, S)
-        slices = cp.asarray(sl_host)
-        tasks = int((sl_host[:, 1] - sl_host[:, 0]).max())
+        nb, ws, x, slices, tasks = shape_setup(cp, xg, N, K, S)
         warps = min(28, tasks)
         P = cp.zeros(S * N, cp.float32)
         gs = [Gemv(cfg, w, sc, split=S, name=name) for w, sc in ws]

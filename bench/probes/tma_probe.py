@@ -16,11 +16,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.harness import bandwidth, copies_for, device_meta, time_rotation  # noqa: E402
-from bench.probes.gemv_probe import RING_SHAPES, save, weights  # noqa: E402
+from bench.harness import bandwidth, device_meta, time_rotation  # noqa: E402
+from bench.probes.gemv_probe import RING_SHAPES, save, shape_setup  # noqa: E402
 from discrete.build import nvrtc_options, translation_unit  # noqa: E402
 from discrete.gemv import tensor_map  # noqa: E402
-from discrete.partition import gemv_slices  # noqa: E402
 from loader.config import preset  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -43,12 +42,7 @@ def main(argv=None) -> int:
     xg = np.random.default_rng(0).standard_normal((1, 17408)).astype(np.float32)
     for name in a.shapes:
         N, K, S = RING_SHAPES[name]
-        nb = N * K + (-(-N // 128)) * (K // 128) * 2
-        ws = weights(cp, N, K, copies_for(nb))
-        x = cp.asarray((xg[:, :K].view(np.uint32) >> 16).astype(np.uint16))
-        sl_host = gemv_slices(N, K, S)
-        slices = cp.asarray(sl_host)
-        tasks = int((sl_host[:, 1] - sl_host[:, 0]).max())
+        nb, ws, x, slices, tasks = shape_setup(cp, xg, N, K, S)
         P = cp.zeros(S * N, cp.float32)
         want = None
         for knob, label in ((0, "general kernel"), (1, "m1 cp.async ring"), (2, "m1 register tile"),
@@ -70,29 +64,29 @@ def main(argv=None) -> int:
             warps = sorted({min(MAX_WARPS[kpb], tasks), *(w for w in (8, 12, 16) if w < tasks)})
             if a.quick:
                 warps = warps[-2:]
-            for kern in (f"probe_tma_{kpb}", f"probe_draft_{kpb}"):
-                f = mod.get_function(kern)
-                for nw in warps:
-                    depths = [R for R in (2, 3) if nw * R * (sb + 8) + 128 <= SMEM_MAX]
-                    for R in depths[:1] if a.quick else depths:
-                        smem = nw * R * (sb + 8) + 128
-                        if f.max_dynamic_shared_size_bytes < smem:
-                            f.max_dynamic_shared_size_bytes = smem
+            kern = f"probe_tma_{kpb}"
+            f = mod.get_function(kern)
+            for nw in warps:
+                depths = [R for R in (2, 3) if nw * R * (sb + 8) + 128 <= SMEM_MAX]
+                for R in depths[:1] if a.quick else depths:
+                    smem = nw * R * (sb + 8) + 128
+                    if f.max_dynamic_shared_size_bytes < smem:
+                        f.max_dynamic_shared_size_bytes = smem
 
-                        def go(i, f=f, nw=nw, R=R, smem=smem):
-                            f((132,), (32 * nw,), (maps[i], ws[i][1], x, np.int32(N), np.int32(K), np.int32(S),
-                                                   slices, P, np.int32(R)), shared_mem=smem)
-                        P[:] = np.nan
-                        go(0)
-                        same = bool(cp.array_equal(P.view(cp.uint32), want.view(cp.uint32)))
-                        t = time_rotation([lambda i=i: go(i) for i in range(len(ws))])
-                        r = {"variant": kern, "shape": name, "S": S, "warps": nw, "R": R,
-                             "kb_in_flight_per_sm": nw * (R - 1) * sb // 1024,
-                             "us": round(t["median_ms"] * 1e3, 2), **bandwidth(nb, t["median_ms"]),
-                             "bit_identical": same}
-                        rows.append(r)
-                        print(f"{name:9s} S{S} {kern:13s} w{nw:2d} R{R:2d} {r['us']:8.2f} us "
-                              f"{r['pct_of_4468']:6.1f} %  same={same}", flush=True)
+                    def go(i, f=f, nw=nw, R=R, smem=smem, maps=maps, ws=ws):
+                        f((132,), (32 * nw,), (maps[i], ws[i][1], x, np.int32(N), np.int32(K), np.int32(S),
+                                               slices, P, np.int32(R)), shared_mem=smem)
+                    P[:] = np.nan
+                    go(0)
+                    same = bool(cp.array_equal(P.view(cp.uint32), want.view(cp.uint32)))
+                    t = time_rotation([lambda i=i: go(i) for i in range(len(ws))])
+                    r = {"variant": kern, "shape": name, "S": S, "warps": nw, "R": R,
+                         "kb_in_flight_per_sm": nw * (R - 1) * sb // 1024,
+                         "us": round(t["median_ms"] * 1e3, 2), **bandwidth(nb, t["median_ms"]),
+                         "bit_identical": same}
+                    rows.append(r)
+                    print(f"{name:9s} S{S} {kern:13s} w{nw:2d} R{R:2d} {r['us']:8.2f} us "
+                          f"{r['pct_of_4468']:6.1f} %  same={same}", flush=True)
             del maps
         del ws
         cp.get_default_memory_pool().free_all_blocks()
