@@ -12,7 +12,7 @@ block normalises x into shared memory with the standalone norm kernel's device f
 stores the normed rows where the caller asks (``normed=``), and the GEMV runs on them.
 
 M = 1 launches of fp8 shapes use builds with M fixed at compile time (docs/kernels-gemv.md runs 8-9), same bits
-as the general kernels: warp tasks of ≥ ``TMA_MIN_UNITS`` K-blocks in slices of ≤ ``TMA_MAX_TASKS`` tasks
+as the general kernels: warp tasks of ≥ ``TMA_MIN_UNITS`` K-blocks in slices of ≤ ``TMA_WARPS`` tasks
 (gate|up, down, GDN q|k|v) the ``*_m1t1`` / ``*_m1t2`` kernels, whose weights reach shared memory by TMA (a 2D
 tensor map of the weight, built here with the driver's ``cuTensorMapEncodeTiled``); the others (z, out, o,
 attention q|k|v) the register-ring tile ``*_m1r``. ``*_m1`` (the cp.async ring) remains for ``QMK_GEMV_M1=1``.
@@ -41,9 +41,9 @@ M1_MIN_UNITS = 16    # session 4's rule for *_m1 (tasks of >= this many K-blocks
 TMA_MIN_UNITS = 10   # M = 1 fp8 tasks spanning >= this many K-blocks take the TMA kernels (run 9: +3-5 points on
                      # gate|up 40, down 17; GDN q|k|v 10 +1; z/out/o at 5-6 no better than the register tile)
 TMA_RING = 2         # stages per warp (run 9: 2 fastest at every warp count and box width)
-TMA_MAX_TASKS = 20   # ... and slices of at most this many tasks (one per warp; attn q|k|v has 28: spread over 16
-                     # warps its partials were faster but the fused tail, run per task, made the launch 3.6 us
-                     # slower than the register tile, run 9)
+TMA_WARPS = 20       # ... and slices of at most this many tasks, one per warp of a 640-thread block (gemv.cu
+                     # QMK_GEMV_TMA_WARPS; attn q|k|v has 28: spread over 16 warps its partials were faster but
+                     # the fused tail, run per task, made the launch 3.6 us slower than the register tile, run 9)
 FUSE_MAX_SPLIT = 8   # __call__ fuses the reduce for M = 1 and S ≤ this (measured: faster there, slower at M = 8
                      # and at S = 40; docs/kernels-gemv.md run 4)
 
@@ -65,9 +65,9 @@ def ring_depth(tasks_per_slice: int, warps: int, smem_optin: int, ring_max: int 
 def tma_plan(tasks_per_slice: int, units_per_task: int) -> tuple[int, int]:
     """(K-blocks per TMA box, warps that take tasks) of an M = 1 TMA launch: boxes of 2 K-blocks (256-byte row
     pieces) when the task's K-block count is even, else 1 (no bytes past the task); one warp per task, at most
-    the block's warps (measured, docs/kernels-gemv.md run 9)."""
+    TMA_WARPS (the kernels' block; more tasks go round-robin) (measured, docs/kernels-gemv.md run 9)."""
     kpb = 2 if units_per_task % 2 == 0 else 1
-    return kpb, max(1, min(tasks_per_slice, FP8_WARPS))
+    return kpb, max(1, min(tasks_per_slice, TMA_WARPS))
 
 
 def tma_smem(kpb: int, na: int, ring: int = TMA_RING) -> int:
@@ -191,14 +191,14 @@ class Gemv:
         units = (K // 128) // self.split
         self.m1_kind = None if not self.fp8 or m1_knob == 0 else \
             {1: "ring", 2: "reg", 3: "tma"}.get(
-                m1_knob, "tma" if units >= TMA_MIN_UNITS and tasks <= TMA_MAX_TASKS else "reg")
+                m1_knob, "tma" if units >= TMA_MIN_UNITS and tasks <= TMA_WARPS else "reg")
         self.use_m1 = self.m1_kind is not None
         self.tmap, self.tma_warps = None, 0
         if self.m1_kind == "tma":
             kpb, self.tma_warps = tma_plan(tasks, units)
             self.tmap = tensor_map(w, kpb)
             self.ring_m1, self.smem_m1 = TMA_RING, tma_smem(kpb, self.tma_warps)
-            xs1 = K * 2 if norm_weight is not None else 0  # M = 1: one normed row
+            xs1 = K * 2 if norm_weight is not None else 0  # M = 1: one normed row (static: double red[20])
             _need(self.smem_m1 + xs1 + NORM_STATIC_SMEM <= optin_all,
                   f"{name}: the TMA ring needs {self.smem_m1 + xs1} B of shared memory, the device allows {optin_all}")
             raw1 = mod.get_function(f"{kname}_m1t{kpb}")
@@ -272,9 +272,11 @@ class Gemv:
             head += (x,)
         args = head + (n(M), n(self.N), n(self.K), n(self.split), self.slices, P, n(ring), n(epi),
                        residual, out, counters)
+        threads = self.threads
         if m1 and self.tmap is not None:  # the TMA kernels: the weight's tensor map and the warps taking tasks
             args += (self.tmap, n(self.tma_warps))
-        kernel((len(self.slices),), (self.threads,), args, shared_mem=smem)
+            threads = 32 * TMA_WARPS
+        kernel((len(self.slices),), (threads,), args, shared_mem=smem)
 
     def _check_x(self, x, normed=None) -> int:
         check_array(x, f"{self.name}: x (bf16 bits)", np.uint16)
