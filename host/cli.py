@@ -39,7 +39,26 @@ def _print_version(ctx: click.Context, _param, value: bool) -> None:
         ctx.exit()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class Main(click.Group):
+    """The command group, with one rule for error output (README, exit codes). A usage error
+    (``click.UsageError``: an unknown option, a value of the wrong type or outside the option's declared range,
+    conflicting options, no prompt) prints click's usage line, a ``Try ... -h`` line and ``Error: ...`` (exit 2).
+    Every other error prints one line ``qwen-mk: error: ...`` on stderr (as warnings print ``qwen-mk:
+    warning:``): the engine's errors (values its shared checks refuse included) through
+    ``host.commands.generate.handle_errors``, and here any other ``click.ClickException`` a command raises
+    (make-checkpoint's unwritable --out, inspect --timings without a GPU), with its exit code."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except click.UsageError:
+            raise
+        except click.ClickException as e:
+            click.echo(f"qwen-mk: error: {e.format_message()}", err=True)
+            ctx.exit(e.exit_code)
+
+
+@click.group(cls=Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
               help="Show the version and exit.")
 def main() -> None:

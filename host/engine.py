@@ -7,20 +7,21 @@
     r = s.chat(messages, max_new_tokens=64).result()   # r.text, r.ids, r.finish_reason ("stop" | "length"), ...
     text = eng.generate(ids, max_new_tokens=8).text      # the whole text at once, as vLLM's output.text
 
-``chat`` and ``generate`` on the engine run in a fresh session each call (nothing kept); a ``Session``
-keeps state and processes only what a new turn appends (``host.session``).
+``chat`` and ``generate`` on the engine run in a fresh session each call (nothing kept), which holds a slot only
+while its Generation runs, so one-shot calls never exhaust the slots: ``[eng.generate(p) for p in prompts]``
+then ``.text`` of each works for any number of prompts. A ``Session`` holds its slot until ``close()``, keeps
+state and processes only what a new turn appends (``host.session``).
 """
 from __future__ import annotations
 
 import sys
-import weakref
 from pathlib import Path
 from typing import Sequence
 
-from host.errors import EmptyPrompt, EngineError, InvalidArgument, ModelLoadError
-from host.executors import Executor, check_kind, default_kind, make_executor
+from host.errors import EmptyPrompt, EngineError, ExecutorUnavailable, InvalidArgument, ModelLoadError
+from host.executors import Executor, check_kind, cpu_too_large, default_kind, gpu_available, make_executor
 from host.sampling import check_text
-from host.session import Generation, Session
+from host.session import Generation, Session, prepare, render_turn
 from loader.config import PRESETS, ConfigError, ModelConfig
 
 DEFAULT_CAPACITY = 4096  # tokens per session slot unless the caller asks otherwise
@@ -50,22 +51,28 @@ def synthetic_marker(d: Path) -> str | None:
     return None
 
 
-def _resolve_model(path_or_preset: str | Path | None, seed: int, quiet: bool, gpu: bool) -> tuple[Path, str | None]:
+def _resolve_model(path_or_preset: str | Path | None, seed: int, quiet: bool, kind: str,
+                   defaulted: bool) -> tuple[Path, str | None]:
     """(directory, preset) for a path or a preset name. A preset's weights are synthetic: on the CPU the tiny
     checkpoint is written once into the cache and read back; on a GPU no weight file is written at all (the
-    directory holds config and tokenizer files; the executor materialises the weights in GPU memory)."""
+    directory holds config and tokenizer files; the executor materialises the weights in GPU memory).
+    A preset too large for the cpu executor (``cpu_too_large``) raises ExecutorUnavailable before anything is
+    written: the preset is valid, the executor cannot run it (``defaulted``: the cpu executor was chosen because
+    there is no GPU, and the message says so)."""
     if path_or_preset is None:
         path_or_preset = "tiny"
     p = Path(path_or_preset)
     if str(path_or_preset) in PRESETS and not p.is_dir():
         name = str(path_or_preset)
-        if gpu:
+        if kind != "cpu":
             d = _synthetic_meta_dir(name, seed)
-        elif name != "tiny":
-            raise ModelLoadError(
-                f"preset {name!r} needs a GPU executor (~{PRESETS[name].weight_bytes_per_token / 1e9:.0f} GB of "
-                f"weights per token); on the CPU use --preset tiny, or write a checkpoint with `qwen-mk "
-                f"make-checkpoint --preset {name} --out DIR` and pass --model DIR")
+        elif (why := cpu_too_large(PRESETS[name])) is not None:
+            if defaulted:
+                raise ExecutorUnavailable(
+                    f"preset {name!r} needs a GPU executor (graph or megakernel) and no GPU is usable here: "
+                    f"{gpu_available()[1]}. On the CPU it {why}; use --preset tiny there.")
+            raise ExecutorUnavailable(f"cpu executor: preset {name!r} {why}. Use --executor graph or megakernel on "
+                                      "a GPU, or --preset tiny on the CPU.")
         else:
             from loader.synthetic import ensure_checkpoint
 
@@ -135,7 +142,8 @@ class Engine:
         Raises ModelLoadError (bad directory, failed validation), InvalidArgument (a ``path_or_preset`` that is not a
         str / Path, an unknown executor name, ``slots`` < 1, a capacity above the model's context or one whose
         state does not fit in memory), ExecutorUnavailable (a
-        valid executor that cannot run here, e.g. a GPU one without a GPU). ``quiet`` drops the stderr warning
+        valid executor that cannot run here: a GPU one without a GPU, or the cpu executor, the default without a
+        GPU, for a model too large for it such as the 27B preset). ``quiet`` drops the stderr warning
         printed for synthetic weights (a preset, or a directory written by ``qwen-mk make-checkpoint``).
         """
         kind = executor or default_kind()
@@ -147,7 +155,7 @@ class Engine:
             raise InvalidArgument(f"capacity: expected a positive integer, got {capacity!r}")
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise InvalidArgument(f"slots: expected a positive integer (sessions open at once), got {slots!r}")
-        model_dir, synthetic = _resolve_model(path_or_preset, seed, quiet, gpu=kind != "cpu")
+        model_dir, synthetic = _resolve_model(path_or_preset, seed, quiet, kind, defaulted=executor is None)
         from loader.chat_template import ChatTemplate
         from loader.checkpoint import Checkpoint, CheckpointError
         from loader.tokenizer import Tokenizer, TokenizerError
@@ -187,7 +195,8 @@ class Engine:
     def new_session(self) -> Session:
         """A session in a free executor slot. Raises EngineError when every slot is taken."""
         if not self._free:
-            raise EngineError(f"all {self.executor.slots} session slots are in use; close() a session first")
+            raise EngineError(f"all {self.executor.slots} session slots are in use (open sessions and one-shot "
+                              "generations still streaming); close() a session or finish a generation first")
         return Session(self, self._free.pop(0))
 
     def _release_slot(self, slot: int) -> None:
@@ -228,31 +237,34 @@ class Engine:
 
     # ------------------------------------------------------------------ one-shot calls (fresh state)
     def generate(self, prompt_ids: Sequence[int], **kw) -> Generation:
-        """Generate from ``prompt_ids`` in a fresh session (see ``Session.generate`` for the arguments)."""
-        return self._oneshot(lambda s: s.generate(prompt_ids, **kw))
+        """Generate from ``prompt_ids`` in a fresh session (see ``Session.generate`` for the arguments and errors,
+        raised here, before any work). The Generation takes a session slot only while it runs: from its first
+        delta to its last (or until it is closed or dropped), so any number of one-shot Generations may be made
+        and consumed in turn (``[engine.generate(p) for p in prompts]``, then ``.text`` of each); more of them
+        streamed at the same time than the engine has slots raise EngineError when the extra one starts."""
+        return self._oneshot(prepare(self, prompt_ids, **kw))
 
     def chat(self, messages: list[dict], tools: list[dict] | None = None, enable_thinking: bool = True,
              **kw) -> Generation:
         """Render ``messages`` with the chat template and generate in a fresh session (``Session.generate`` args:
-        max_new_tokens, temperature, top_k, top_p, seed, stop, stop_ids)."""
-        return self._oneshot(lambda s: s.chat(messages, tools=tools, enable_thinking=enable_thinking, **kw))
+        max_new_tokens, temperature, top_k, top_p, seed, stop, stop_ids). Holds a slot only while it runs, as
+        :meth:`generate`."""
+        ids, marks = render_turn(self, messages, tools, enable_thinking)
+        return self._oneshot(prepare(self, ids, checkpoint_at=marks, **kw))
 
-    def _oneshot(self, start) -> Generation:
-        s = self.new_session()
-        try:
-            g = start(s)
-        except BaseException:
-            s.close()
-            raise
-        inner = g._it
-
-        def body(outer: Generation):
+    def _oneshot(self, job: tuple) -> Generation:
+        """A Generation of the checked ``job`` (``host.session.prepare``) in a session opened when it starts and
+        closed as it hands out its last delta (nothing runs on the slot after it), or when closed or dropped."""
+        def body(g: Generation):
+            s = self.new_session()
+            inner = s._loop(g, *job)
             try:
-                yield from inner
-                outer._result = g._result
+                for d in inner:
+                    if d.finish_reason is not None:
+                        s.close()
+                    yield d
             finally:
+                inner.close()
                 s.close()
 
-        out = Generation(body)
-        weakref.finalize(out, s.close)  # a generation dropped before it is iterated still frees its slot
-        return out
+        return Generation(body)

@@ -101,6 +101,16 @@ def default_kind() -> str:
     return "graph" if gpu_available()[0] else "cpu"
 
 
+def cpu_too_large(cfg: ModelConfig) -> str | None:
+    """Why the cpu executor refuses a model whose weights streamed per token exceed CPU_MAX_WEIGHT_BYTES (a phrase
+    with the model as subject: "streams ... GiB ..."), or None when it can run it. Checked for a preset before
+    anything is loaded (``Engine.load``) and by CpuExecutor for any checkpoint."""
+    if cfg.weight_bytes_per_token <= CPU_MAX_WEIGHT_BYTES:
+        return None
+    return (f"streams {cfg.weight_bytes_per_token / 2**30:.1f} GiB of weights per token, over the cpu executor's "
+            f"limit of {CPU_MAX_WEIGHT_BYTES >> 30} GiB (its NumPy path is meant for the tiny preset)")
+
+
 class CpuExecutor(Executor):
     """Runs the model on the CPU with the NumPy reference (``assembler.ref.model.ReferenceModel``).
 
@@ -121,11 +131,9 @@ class CpuExecutor(Executor):
         from assembler.ref.model import ReferenceModel
 
         cfg: ModelConfig = weights.config
-        if cfg.weight_bytes_per_token > CPU_MAX_WEIGHT_BYTES:
-            raise ExecutorUnavailable(
-                f"cpu executor: model {cfg.name!r} streams {cfg.weight_bytes_per_token / 2**30:.1f} GiB of weights "
-                f"per token; the NumPy path is meant for the tiny preset (limit {CPU_MAX_WEIGHT_BYTES >> 30} GiB). "
-                "Use --executor megakernel or graph on a GPU.")
+        if (why := cpu_too_large(cfg)) is not None:
+            raise ExecutorUnavailable(f"cpu executor: model {cfg.name!r} {why}. Use --executor graph or megakernel "
+                                      "on a GPU.")
         self.cfg = cfg
         self.capacity = int(capacity)
         self.slots = int(slots)

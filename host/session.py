@@ -12,6 +12,7 @@ checkpoint would put them.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -88,11 +89,18 @@ class GenerationResult:
 
 class Generation:
     """Iterator of :class:`Delta`; ``result()`` drains it and returns the :class:`GenerationResult`; ``text`` is
-    the whole generated text (vLLM's ``output.text``; drains the stream too)."""
+    the whole generated text (vLLM's ``output.text``; drains the stream too).
+
+    Lazy: nothing runs until it is iterated (or ``result()`` / ``text`` is read); argument errors were raised by
+    the call that made it. ``close()``, or dropping the last reference, stops it where it is: a session's state
+    stays consistent (the session is free for its next turn), and a one-shot ``Engine.generate`` / ``chat``
+    gives its slot back."""
 
     def __init__(self, body: Callable[["Generation"], Iterator[Delta]]):
         self._result: GenerationResult | None = None
-        self._it = body(self)
+        # The body sees a weak proxy: no reference cycle, so dropping the Generation closes its running body at
+        # once (CPython refcounting), not at the next cyclic garbage collection.
+        self._it = body(weakref.proxy(self))
 
     def __iter__(self) -> "Generation":
         return self
@@ -179,6 +187,47 @@ class _StopMatcher:
         return out
 
 
+def session_capacity(engine) -> int:
+    """Tokens a session of ``engine`` holds: the executor's capacity, at most the model's context."""
+    return min(engine.executor.capacity, engine.cfg.max_position_embeddings)
+
+
+def prepare(engine, prompt_ids: Sequence[int], *, max_new_tokens: int | None = None, temperature: float = 0.0,
+            top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+            stop: Sequence[str] | None = (), stop_ids: Sequence[int] | None = None,
+            checkpoint_at: Sequence[int] = ()) -> tuple:
+    """Every check of ``Session.generate`` that needs no slot (its arguments and raises, the session's own state
+    aside), done before any work; returns the arguments of ``Session._loop`` after the Generation. Shared with the
+    one-shot ``Engine.generate`` / ``chat``, which take a slot only when their Generation starts."""
+    cfg = engine.cfg
+    prompt = validate_ids(prompt_ids, cfg.vocab_size)
+    cap = session_capacity(engine)
+    if len(prompt) > cap:
+        raise PromptTooLong(f"prompt has {len(prompt)} tokens; the session holds at most {cap} "
+                            f"(executor capacity {engine.executor.capacity}, model context "
+                            f"{cfg.max_position_embeddings})")
+    if stop is None:  # vLLM's default
+        stop = ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise InvalidArgument(f"stop: expected non-empty strings, got {list(stop)!r}")
+    stop_set = set(cfg.eos_token_ids if stop_ids is None
+                   else validate_ids(stop_ids, cfg.vocab_size, "stop_ids", allow_empty=True))
+    params = SamplingParams(temperature, top_k, top_p, seed)  # the shared check last: it may warn
+    max_new = check_generation_args(params, max_new_tokens, engine.executor.capacity, cfg.max_position_embeddings)
+    return prompt, max_new, list(stop), stop_set, Sampler(params), [int(m) for m in checkpoint_at]
+
+
+def render_turn(engine, messages: list[dict], tools: list[dict] | None,
+                enable_thinking: bool) -> tuple[list[int], list[int]]:
+    """(prompt ids, checkpoint positions) of a chat turn: the rendered conversation and the start of its
+    generation prompt (the last ``<|im_start|>``), where the next turn's render usually diverges."""
+    ids = engine.render_chat(messages, tools, enable_thinking)
+    starts = [i for i, t in enumerate(ids) if t == IM_START_ID]
+    return ids, starts[-1:]
+
+
 class Session:
     """A conversation's state resident in one executor slot between turns.
 
@@ -207,7 +256,7 @@ class Session:
     def capacity(self) -> int:
         """Tokens this session holds, prompt and reply together: the executor's capacity, at most the model's
         context (max_position_embeddings)."""
-        return min(self.engine.executor.capacity, self.engine.cfg.max_position_embeddings)
+        return session_capacity(self.engine)
 
     def close(self) -> None:
         """Give the slot back; the session can no longer be used (EngineError). Closing twice is a no-op."""
@@ -306,38 +355,20 @@ class Session:
         are ignored; ``host.sampling.check_generation_args``). While running: GenerationInterrupted on
         KeyboardInterrupt (the session is rolled back to a checkpoint and stays usable).
         """
-        cfg = self.engine.cfg
         self._check_open()
         if self._busy:
             raise EngineError("this session is already generating: finish or close() its Generation first")
-        prompt = validate_ids(prompt_ids, cfg.vocab_size)
-        if len(prompt) > self.capacity:
-            raise PromptTooLong(f"prompt has {len(prompt)} tokens; the session holds at most {self.capacity} "
-                                f"(executor capacity {self.engine.executor.capacity}, model context "
-                                f"{cfg.max_position_embeddings})")
-        if stop is None:  # vLLM's default
-            stop = ()
-        if isinstance(stop, str):
-            stop = [stop]
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise InvalidArgument(f"stop: expected non-empty strings, got {list(stop)!r}")
-        stop_set = set(cfg.eos_token_ids if stop_ids is None
-                       else validate_ids(stop_ids, cfg.vocab_size, "stop_ids", allow_empty=True))
-        params = SamplingParams(temperature, top_k, top_p, seed)  # the shared check last: it may warn
-        max_new = check_generation_args(params, max_new_tokens, self.engine.executor.capacity,
-                                        cfg.max_position_embeddings)
-        sampler = Sampler(params)
-        marks = [int(m) for m in checkpoint_at]
-        return Generation(lambda g: self._loop(g, prompt, max_new, list(stop), stop_set, sampler, marks))
+        job = prepare(self.engine, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                      top_p=top_p, seed=seed, stop=stop, stop_ids=stop_ids, checkpoint_at=checkpoint_at)
+        return Generation(lambda g: self._loop(g, *job))
 
     def chat(self, messages: list[dict], *, tools: list[dict] | None = None, enable_thinking: bool = True,
              **kw) -> Generation:
         """Render ``messages`` (the whole conversation) with the checkpoint's chat template and generate. The state
         at the generation prompt's ``<|im_start|>`` is kept: the next turn's render drops this turn's reasoning
         and re-tokenises its reply, so it diverges there and re-runs from that point, not from scratch."""
-        ids = self.engine.render_chat(messages, tools, enable_thinking)
-        starts = [i for i, t in enumerate(ids) if t == IM_START_ID]
-        return self.generate(ids, checkpoint_at=starts[-1:], **kw)
+        ids, marks = render_turn(self.engine, messages, tools, enable_thinking)
+        return self.generate(ids, checkpoint_at=marks, **kw)
 
     def _loop(self, g: Generation, prompt: list[int], max_new: int, stops: list[str], stop_set: set[int],
               sampler: Sampler, marks: list[int]) -> Iterator[Delta]:

@@ -1,5 +1,6 @@
 """Checkpoint reader: a directory with ``config.json`` and safetensors weights (``model.safetensors.index.json``
-+ shards, or one ``model.safetensors``), opened lazily through memory maps and checked against the config.
++ shards, or one ``*.safetensors`` file without an index, e.g. ``model.safetensors``), opened lazily through
+memory maps and checked against the config.
 
 Tensors come back in their stored dtype as NumPy arrays backed by the file's memory map (read-only; pages
 are read when touched), so opening the 27B checkpoint never holds its 30 GB in RAM. Stored names are mapped
@@ -24,6 +25,7 @@ INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
 SCALE_SUFFIX = "_scale_inv"   # "<module>.weight" + this
 MM_PREFIX, TEXT_PREFIX, VISION_PREFIX = "model.language_model.", "model.", "model.visual."
 MAX_HEADER_BYTES = 100 << 20
+PARTIAL_KEY = "qwen_mk_partial"  # index metadata key of a partial `make-checkpoint --max-shards` write (its reason)
 
 # safetensors dtype strings <-> NumPy dtypes (only what a Qwen3.5 checkpoint may hold)
 ST_DTYPES = {"BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
@@ -271,8 +273,11 @@ class Checkpoint:
                     wf = self._entries[w][0] if w in self._entries else self.path
                     raise CheckpointError(f"{wf}: fp8 weight {stored_name(self.config, w)!r} has no scale tensor "
                                           f"{stored_name(self.config, c)!r}")
-                raise CheckpointError(f"{self.path}: missing tensor {stored_name(self.config, c)!r} "
-                                      f"(expected {dtn} {shape})")
+                absent = [n for n in want if n not in self._entries]
+                more = (f"; {len(absent)} of the {len(want)} expected tensors are missing, the last "
+                        f"{stored_name(self.config, absent[-1])!r}") if len(absent) > 1 else ""
+                raise CheckpointError(f"{self.path}: incomplete checkpoint: missing tensor "
+                                      f"{stored_name(self.config, c)!r} (expected {dtn} {shape}){more}")
             f, s, dt, got, _, _ = self._entries[c]
             if dt.name != dtn or got != shape:
                 raise CheckpointError(f"{f}: tensor {s!r}: expected {ST_NAMES[dtn]} {shape}"
@@ -287,22 +292,42 @@ class Checkpoint:
 
 
 def _shard_files(root: Path) -> dict[Path, set[str] | None]:
-    """Shard path -> stored names the index maps to it (None for a single-file checkpoint)."""
+    """Shard path -> stored names the index maps to it (None for a single-file checkpoint without an index).
+
+    With ``model.safetensors.index.json`` (HF's sharded layout) the index decides: every file it names must be
+    there, else the checkpoint is incomplete (a ``qwen-mk make-checkpoint --max-shards`` write, an interrupted
+    download) and the error lists the absent files. Without an index the directory must hold exactly one
+    ``*.safetensors`` file (``model.safetensors``, or e.g. ``model-00001-of-00001.safetensors``): its header is
+    the tensor map. Several files without an index are refused (which file holds what is the index's job)."""
     idx = root / INDEX_FILE
     if idx.is_file():
         try:
-            wm = json.loads(idx.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{idx}: expected a JSON object with a 'weight_map' ({e!r})") from None
-        files: dict[Path, set[str]] = {}
-        for name, fn in wm.items():
-            files.setdefault(root / fn, set()).add(name)
-        for f, names in files.items():
-            if not f.is_file():
-                raise CheckpointError(f"{f}: shard file is missing (listed in {INDEX_FILE} for "
-                                      f"{len(names)} tensors, e.g. {sorted(names)[0]!r})")
+            index = json.loads(idx.read_text())
+            wm = index["weight_map"]
+            files: dict[Path, set[str]] = {}
+            for name, fn in wm.items():
+                files.setdefault(root / fn, set()).add(name)
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{idx}: expected a JSON object with a 'weight_map' object of tensor name -> "
+                                  f"shard file name ({e!r})") from None
+        absent = sorted(f for f in files if not f.is_file())
+        if absent:
+            listed = "; ".join(f"{f.name} ({len(files[f])} tensor(s), e.g. {sorted(files[f])[0]!r})"
+                               for f in absent[:4]) + (f"; and {len(absent) - 4} more" if len(absent) > 4 else "")
+            meta = index.get("metadata") if isinstance(index, dict) else None
+            partial = meta.get(PARTIAL_KEY) if isinstance(meta, dict) else None
+            raise CheckpointError(
+                f"{root}: incomplete checkpoint: {len(absent)} of {len(files)} shard file(s) listed in {INDEX_FILE} "
+                f"{'is' if len(absent) == 1 else 'are'} missing: {listed}"
+                + (f" (a partial write: {partial})" if partial else ""))
         return dict(files)
-    single = root / SINGLE_FILE
-    if single.is_file():
-        return {single: None}
-    raise CheckpointError(f"{root}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
+    found = sorted(p for p in root.glob("*.safetensors") if p.is_file())
+    if len(found) == 1:
+        return {found[0]: None}
+    if not found:
+        raise CheckpointError(f"{root}: neither {INDEX_FILE} nor {SINGLE_FILE} found (expected the index with "
+                              "its shards, or exactly one *.safetensors file)")
+    names = ", ".join(p.name for p in found[:4]) + (f", … ({len(found)} in all)" if len(found) > 4 else "")
+    raise CheckpointError(f"{root}: {len(found)} *.safetensors files ({names}) but no {INDEX_FILE}: a checkpoint of "
+                          f"several shards needs its index (tensor name -> shard file); without one exactly one "
+                          "*.safetensors file is expected")

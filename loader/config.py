@@ -2,7 +2,9 @@
 
 Parsed from a checkpoint's ``config.json`` (multimodal layout with the text fields nested under
 ``text_config`` and a top-level ``quantization_config``, or the text-only layout with fields at the
-top level). Field meanings and the real values: ``shared/spec/qwen35-checkpoint.md`` §1.
+top level). Field meanings and the real values: ``shared/spec/qwen35-checkpoint.md`` §1. A ``dtype`` /
+``torch_dtype`` must be ``bfloat16``; a ``quantization_config`` must be fp8 e4m3 with 128×128 blocks (its absent
+keys take those values; no quantization_config at all = the all-bf16 release).
 
 Presets: ``qwen3.5-27b`` (the real dimensions) and ``tiny`` (same structure, small; the real
 248,320-row vocabulary and special-token ids; every fp8 matrix dimension a multiple of 128).
@@ -27,6 +29,10 @@ TOOL_CALL_END_ID = 248059
 THINK_ID = 248068
 THINK_END_ID = 248069
 FIRST_PADDING_ID = 248077  # ids 248077..vocab_size-1 are padding rows: never emitted, never decodable
+# The dtype of the checkpoint's non-fp8 tensors (embeddings, norms, lm_head, block scales) and of the engine's
+# activations. config.json names it ``dtype`` (transformers >= 4.56) or ``torch_dtype`` (older), at the top level
+# and / or in ``text_config`` (the real checkpoint: ``text_config.dtype``, spec §1.1); absent = this value.
+DTYPE = "bfloat16"
 
 
 class ConfigError(ValueError):
@@ -124,10 +130,13 @@ class ModelConfig:
         need(self.vocab_size > FIRST_PADDING_ID, "vocab_size", f"must exceed {FIRST_PADDING_ID} (the real vocabulary)")
         need(self.rms_norm_eps > 0, "rms_norm_eps", "must be positive")
         if self.quant_method is not None:
-            need(self.quant_method == "fp8", "quantization_config.quant_method", f"expected 'fp8', got {self.quant_method!r}")
-            need(self.quant_fmt == "e4m3", "quantization_config.fmt", f"expected 'e4m3', got {self.quant_fmt!r}")
+            why = ("the engine runs fp8 e4m3 weights with 128x128 block scales (Qwen3.5-27B-FP8), or a bf16 "
+                   "checkpoint without quantization_config")
+            need(self.quant_method == "fp8", "quantization_config.quant_method",
+                 f"expected 'fp8', got {self.quant_method!r} ({why})")
+            need(self.quant_fmt == "e4m3", "quantization_config.fmt", f"expected 'e4m3', got {self.quant_fmt!r} ({why})")
             need(self.weight_block_size == (128, 128), "quantization_config.weight_block_size",
-                 f"expected [128, 128], got {list(self.weight_block_size)}")
+                 f"expected [128, 128], got {list(self.weight_block_size)} ({why})")
             for fld, v in (("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size),
                            ("q_proj rows", self.q_proj_rows), ("k/v_proj rows", self.kv_rows),
                            ("o_proj cols", self.attn_out_dim), ("GDN conv_dim", self.gdn_conv_dim),
@@ -303,7 +312,7 @@ class ModelConfig:
         """The ``text_config`` object of a config.json for this configuration (HF key names)."""
         return {
             "attention_bias": False, "attention_dropout": 0.0, "attn_output_gate": self.attn_output_gate,
-            "bos_token_id": self.bos_token_id, "dtype": "bfloat16", "eos_token_id": ENDOFTEXT_ID,
+            "bos_token_id": self.bos_token_id, "dtype": DTYPE, "eos_token_id": ENDOFTEXT_ID,
             "full_attention_interval": 4, "head_dim": self.head_dim, "hidden_act": self.hidden_act,
             "hidden_size": self.hidden_size, "initializer_range": 0.02,
             "intermediate_size": self.intermediate_size, "layer_types": list(self.layer_types),
@@ -356,6 +365,19 @@ def _number(v: Any, field: str, source: str) -> float:
     return float(v)
 
 
+def _check_dtypes(cfg: dict, text: dict, source: str) -> None:
+    """Raise ConfigError naming ``source`` and the field for a ``dtype`` / ``torch_dtype`` other than bfloat16
+    (top level or ``text_config``; the vision tower's is not read)."""
+    spots = [("", cfg)] + ([("text_config.", text)] if text is not cfg else [])
+    for where, obj in spots:
+        for k in ("dtype", "torch_dtype"):
+            v = obj.get(k)
+            if v is not None and v != DTYPE:
+                raise ConfigError(f"{source}: config field '{where}{k}' is {v!r}; expected {DTYPE!r} (the engine "
+                                  "runs the Qwen3.5-27B-FP8 checkpoint: fp8 e4m3 weights with 128x128 block scales, "
+                                  "every other tensor bfloat16; or the all-bfloat16 release)")
+
+
 def _parse_fields(cfg: dict, text: dict, source: str) -> dict[str, Any]:
     """ModelConfig keyword arguments from the config.json objects (the text fields in ``text``)."""
     kw: dict[str, Any] = {}
@@ -397,17 +419,21 @@ def _parse_fields(cfg: dict, text: dict, source: str) -> dict[str, Any]:
             raise ConfigError(f"{source}: config field 'eos_token_id': expected a token id or a list of them, "
                               f"got {eos!r}")
         kw["eos_token_ids"] = tuple(dict.fromkeys([IM_END_ID, *eos_l]))
+    _check_dtypes(cfg, text, source)
     q = cfg.get("quantization_config", text.get("quantization_config"))
-    if q is None:
+    if q is None:  # no quantization_config: the bf16 release (every tensor bf16, no block scales)
         kw["quant_method"] = None
-    else:
+    else:  # absent keys take the Qwen3.5-27B-FP8 values (spec §1.2); present ones are checked in __post_init__
         q = _obj(q, "quantization_config", source)
-        kw["quant_method"] = q.get("quant_method")
+        kw["quant_method"] = q.get("quant_method", "fp8")
+        if kw["quant_method"] is None:  # an explicit null would otherwise read as "no quantisation"
+            raise ConfigError(f"{source}: config field 'quantization_config.quant_method' is null; expected 'fp8' "
+                              "(a bf16 checkpoint has no quantization_config at all)")
         kw["quant_fmt"] = q.get("fmt", "e4m3")
         wbs = q.get("weight_block_size", [128, 128])
         if not isinstance(wbs, list):
-            raise ConfigError(f"{source}: config field 'quantization_config.weight_block_size': expected [128, 128], "
-                              f"got {wbs!r}")
+            raise ConfigError(f"{source}: config field 'quantization_config.weight_block_size': expected [128, 128] "
+                              f"(128x128 block scales; per-tensor or per-channel fp8 is not implemented), got {wbs!r}")
         kw["weight_block_size"] = tuple(wbs)
         kw["activation_scheme"] = q.get("activation_scheme", "dynamic")
     return kw

@@ -291,9 +291,12 @@ def write_checkpoint(cfg: ModelConfig, out_dir: str | Path, seed: int = 0, *, to
     shards of at most ``max_shard_bytes`` (or one ``model.safetensors`` with ``single_file``), and the
     tokenizer files from ``loader.tokenizer.write_tokenizer_files`` (``tokenizer``: "require" raises
     RuntimeError when that module is missing, "optional" skips it then, "skip" never writes them).
-    ``max_shards`` stops after that many shards (for timing a partial write; the result is incomplete).
-    ``workers`` > 1 generates chunks in that many processes (same bytes). Memory stays bounded (a few
-    generation chunks of ``CHUNK_ELEMS`` elements at a time). Returns {"seconds", "bytes", "shards", "tokenizer"}.
+    ``max_shards`` stops after that many shards (for timing a partial write): when shards are left out the
+    index still maps every tensor to its planned shard and carries ``metadata.qwen_mk_partial`` (what was
+    written), so :meth:`loader.checkpoint.Checkpoint.open` refuses the directory as an incomplete checkpoint
+    naming the absent shard files. ``workers`` > 1 generates chunks in that many processes (same bytes). Memory
+    stays bounded (a few generation chunks of ``CHUNK_ELEMS`` elements at a time). Returns {"seconds", "bytes"
+    (written), "shards" (written), "total_shards" (of the complete checkpoint), "tokenizer"}.
     """
     if tokenizer not in ("require", "optional", "skip"):
         raise ValueError(f"tokenizer={tokenizer!r}: expected 'require', 'optional' or 'skip'")
@@ -312,23 +315,34 @@ def write_checkpoint(cfg: ModelConfig, out_dir: str | Path, seed: int = 0, *, to
             tok_written = True
     (out / "config.json").write_text(json.dumps(config_json(cfg), indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
-    from loader.checkpoint import INDEX_FILE, SINGLE_FILE, stored_name
+    from loader.checkpoint import INDEX_FILE, PARTIAL_KEY, SINGLE_FILE, stored_name
     shards = _plan_shards(cfg, max_shard_bytes)
     if single_file and len(shards) != 1:
         raise ValueError(f"single_file: the checkpoint needs {len(shards)} shards of <= {max_shard_bytes} bytes")
+    if max_shards is not None and max_shards < 1:
+        raise ValueError(f"max_shards={max_shards}: expected a positive number of shards (or None: all)")
+    n_write = len(shards) if max_shards is None else min(max_shards, len(shards))
+    exp = expected_tensors(cfg)
+    full_size = sum(math.prod(exp[n][0]) * np.dtype(getattr(ml_dtypes, exp[n][1])).itemsize for n in exp)
     src, weight_map, total = SyntheticWeights(cfg, seed), {}, 0
-    for k, names in enumerate(shards[:max_shards]):
+    for k, names in enumerate(shards):
         fn = SINGLE_FILE if single_file else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        weight_map.update((stored_name(cfg, n), fn) for n in names)  # every planned shard, written or not
+        if k >= n_write:
+            continue
         with open(out / fn, "wb") as fh:
             fh.write(_header(cfg, names))
             total += _write_data(src, names, fh, workers)
-        weight_map.update((stored_name(cfg, n), fn) for n in names)
         if log:
             log(f"{fn}: {len(names)} tensors, {total / 1e9:.2f} GB so far, {time.perf_counter() - t0:.1f} s")
     if not single_file:
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        meta: dict = {"total_size": full_size}
+        if n_write < len(shards):
+            meta[PARTIAL_KEY] = (f"only {n_write} of {len(shards)} shards were written "
+                                 f"(qwen-mk make-checkpoint --max-shards {n_write})")
+        index = {"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    return {"seconds": time.perf_counter() - t0, "bytes": total, "shards": min(len(shards), max_shards or len(shards)),
+    return {"seconds": time.perf_counter() - t0, "bytes": total, "shards": n_write, "total_shards": len(shards),
             "tokenizer": tok_written}
 
 

@@ -3,14 +3,15 @@
 Each turn renders the whole conversation with the chat template; the session reuses what its state already
 holds and runs only the rest (``host.session``). Ctrl-C during a reply interrupts it, drops that turn and keeps
 the session usable; Ctrl-C or EOF at the prompt ends the chat. A line starting with ``/`` is a command
-(``HELP``; an unknown one is reported and nothing is sent); ``//`` sends a line starting with ``/``.
+(``HELP``; an unknown one is reported and nothing is sent); ``//`` sends a line starting with ``/``. A blank line
+sends nothing (as in other REPLs); an empty message is otherwise valid (``generate ""``, ``Engine.chat``).
 """
 from __future__ import annotations
 
 import click
 
-from host.commands.generate import (check_model_args, check_sampling_args, gen_kwargs, handle_errors, load_engine,
-                                   model_options, sampling_options, timing_line, warned_already)
+from host.commands.generate import (ERROR, check_model_args, check_sampling_args, gen_kwargs, handle_errors,
+                                   load_engine, model_options, sampling_options, timing_line, warned_already)
 from host.errors import GenerationInterrupted, InvalidArgument, PromptTooLong
 
 HELP = ("commands: /reset clears the conversation, /exit or /quit ends the chat, /help lists them; "
@@ -81,7 +82,7 @@ def command(system, timings, **kw):
             with warned_already():  # printed once before loading, not again each turn
                 g = sess.chat(turn, enable_thinking=not kw["no_think"], **gen_kwargs(kw))
         except (PromptTooLong, InvalidArgument) as e:  # this turn only: the conversation so far stays usable
-            click.echo(f"error: {e}\n[turn dropped, conversation kept; /reset starts over]", err=True)
+            click.echo(f"{ERROR} {e}\n[turn dropped, conversation kept; /reset starts over]", err=True)
             continue
         try:
             for d in g:
@@ -93,8 +94,11 @@ def command(system, timings, **kw):
             continue
         except PromptTooLong as e:
             g.close()
-            click.echo(f"\nerror: {e}\n[turn dropped, conversation kept; /reset starts over]", err=True)
+            click.echo(f"\n{ERROR} {e}\n[turn dropped, conversation kept; /reset starts over]", err=True)
             continue
+        except BaseException:
+            click.echo("", err=True)  # end the cut-short reply line before handle_errors' one-line message
+            raise
         click.echo("")
         if timings:
             click.echo(timing_line(r), err=True)

@@ -2,7 +2,8 @@
 
 Also holds the option set and error handling that ``chat`` shares. Exit codes: 0 ok; ``EngineError.exit_code``
 of the error raised (2 bad argument, 3 empty prompt, 4 too long, 5 bad token id, 6 model, 7 executor,
-130 interrupted); click's own 2 for usage errors.
+130 interrupted); click's own 2 for usage errors. An empty PROMPT is a valid chat message (the template still
+gives the model a prompt, as vLLM accepts it); only with ``--raw`` is an empty (or blank) PROMPT refused (3).
 """
 from __future__ import annotations
 
@@ -109,17 +110,21 @@ def load_engine(kw: dict):
     return Engine.load(kw["model_dir"] or kw["preset"], kw["executor"], capacity=kw["capacity"])
 
 
+ERROR = "qwen-mk: error:"  # prefix of every error that is not a usage error (host.cli.Main says the rule)
+
+
 def handle_errors(f):
-    """Turn EngineError into 'error: ...' on stderr and its exit code; Ctrl-C into exit 130."""
+    """Turn EngineError into one ``qwen-mk: error: ...`` line on stderr and its exit code; Ctrl-C into exit 130.
+    A command that streams ends its open reply line itself before the error propagates."""
     @functools.wraps(f)
     def wrapper(*a, **kw):
         try:
             return f(*a, **kw)
         except EngineError as e:
-            click.echo(f"\nerror: {e}", err=True)
+            click.echo(f"{ERROR} {e}", err=True)
             sys.exit(e.exit_code)
         except KeyboardInterrupt:
-            click.echo("\nerror: interrupted", err=True)
+            click.echo(f"{ERROR} interrupted", err=True)
             sys.exit(GenerationInterrupted.exit_code)
     return wrapper
 
@@ -172,8 +177,8 @@ def command(prompt, raw, as_json, **kw):
     if raw and kw["no_think"]:
         click.echo("qwen-mk: warning: --no-think has no effect with --raw (no chat template is rendered)", err=True)
     text = read_prompt(prompt)
-    if not text.strip():
-        raise EmptyPrompt("the prompt is empty")
+    if raw and not text.strip():  # an empty user message is a valid chat prompt: the template gives it tokens
+        raise EmptyPrompt("the prompt is empty (or blank); with --raw no chat template adds tokens to it")
     from host.sampling import check_text
 
     check_text(text, "prompt")  # before the model loads
@@ -188,10 +193,17 @@ def command(prompt, raw, as_json, **kw):
         click.echo(json.dumps(r.to_json(), ensure_ascii=False))
         return
     out = sys.stdout
-    for d in g:
-        if d.text:
-            out.write(d.text)
+    wrote = False
+    try:
+        for d in g:
+            if d.text:
+                out.write(d.text)
+                out.flush()
+                wrote = True
+    except BaseException:
+        if wrote:  # end the cut-short reply line: the error (stderr) then stands on a line of its own
+            out.write("\n")
             out.flush()
-    r = g.result()
+        raise
     out.write("\n")
-    click.echo(timing_line(r), err=True)
+    click.echo(timing_line(g.result()), err=True)

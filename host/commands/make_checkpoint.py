@@ -2,7 +2,11 @@
 
 The checkpoint is written into a temporary sibling directory of OUT (``.<name>.tmp-<pid>``) and renamed into
 place when complete, so OUT never holds a half-written checkpoint (an error or Ctrl-C removes the temporary
-directory). An OUT that exists and is not empty is refused unless ``--force`` replaces it."""
+directory). An OUT that exists and is not empty is refused unless ``--force`` replaces it.
+
+``--max-shards N`` writes a partial checkpoint on purpose (for timing the writer): only the first N shards, but
+the index maps every tensor to its planned shard and marks the write partial (``metadata.qwen_mk_partial``), so
+loading it fails (exit 6) with an "incomplete checkpoint" error naming the absent shard files."""
 from __future__ import annotations
 
 import os
@@ -39,7 +43,9 @@ def _looks_like_checkpoint(entries: list[str]) -> bool:
 @click.option("--shard-bytes", type=click.IntRange(min=1), default=MAX_SHARD_BYTES, show_default=True,
               help="largest shard size in bytes")
 @click.option("--max-shards", type=click.IntRange(min=1), default=None,
-              help="stop after this many shards (partial write, for timing; the result is incomplete)")
+              help="write only the first N shards (for timing the writer): the result is a PARTIAL checkpoint "
+              "that cannot be loaded; its index still lists every shard and is marked partial, so --model OUT "
+              "fails (exit 6) naming the missing shard files")
 @click.option("--workers", type=click.IntRange(min=1), default=min(8, os.cpu_count() or 1), show_default=True,
               help="generator processes")
 @click.option("--no-tokenizer", is_flag=True, help="do not write tokenizer files")
@@ -103,7 +109,13 @@ def command(preset_name: str, out: str, force: bool, seed: int, shard_bytes: int
         raise fail(e) from None
     finally:
         _remove(tmp)
-    done = "partial " if max_shards else ""
-    click.echo(f"wrote {done}{preset_name} checkpoint (seed {seed}) to {out}: {res['shards']} shard(s), "
+    planned = res.get("total_shards", res["shards"])
+    partial = res["shards"] < planned
+    shards = f"{res['shards']} of {planned} shards" if partial else f"{res['shards']} shard(s)"
+    click.echo(f"wrote {'PARTIAL ' if partial else ''}{preset_name} checkpoint (seed {seed}) to {out}: {shards}, "
                f"{res['bytes'] / 1e9:.3f} GB of tensors in {res['seconds']:.1f} s "
                f"({res['bytes'] / 1e6 / max(res['seconds'], 1e-9):.0f} MB/s)")
+    if partial:
+        click.echo(f"qwen-mk: warning: --max-shards {max_shards} left out {planned - res['shards']} of {planned} "
+                   f"shards: {out} is an incomplete checkpoint, which the loader refuses (for timing the writer "
+                   "only)", err=True)

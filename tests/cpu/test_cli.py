@@ -61,8 +61,8 @@ def test_generate_json_and_stdin(fake_engine):
 
 
 @pytest.mark.parametrize("args,code", [
-    (["generate", ""], EmptyPrompt.exit_code),
-    (["generate", "   \n"], EmptyPrompt.exit_code),
+    (["generate", "--raw", ""], EmptyPrompt.exit_code),        # with the chat template "" is a valid message
+    (["generate", "--raw", "   \n"], EmptyPrompt.exit_code),
     (["generate", "hi", "--temperature", "-1"], InvalidArgument.exit_code),
     (["generate", "hi", "--top-p", "2"], InvalidArgument.exit_code),
     (["generate", "hi", "--max-new-tokens", "0"], 2),

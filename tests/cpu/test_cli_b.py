@@ -187,7 +187,8 @@ def test_make_checkpoint_error_names_the_path_once(tmp_path, monkeypatch, relati
     out = f"{blocker}/ckpt"
     r = run(["make-checkpoint", "--preset", "tiny", "--out", out, "--no-tokenizer"])
     assert r.exit_code == 1 and "Traceback" not in r.output, r.output
-    assert r.output.strip() == f"Error: cannot write the checkpoint to --out {out}: {blocker} is not a directory"
+    want = f"cannot write the checkpoint to --out {out}: {blocker} is not a directory"
+    assert r.output.strip() == f"qwen-mk: error: {want}"
     assert r.output.count(out) == 1
 
 
