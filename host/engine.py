@@ -254,17 +254,49 @@ class Engine:
 
     def _oneshot(self, job: tuple) -> Generation:
         """A Generation of the checked ``job`` (``host.session.prepare``) in a session opened when it starts and
-        closed as it hands out its last delta (nothing runs on the slot after it), or when closed or dropped."""
-        def body(g: Generation):
-            s = self.new_session()
-            inner = s._loop(g, *job)
-            try:
-                for d in inner:
-                    if d.finish_reason is not None:
-                        s.close()
-                    yield d
-            finally:
-                inner.close()
-                s.close()
+        closed as it hands out its last delta (nothing runs on the slot after it), or when closed or dropped. A
+        start refused because every slot is busy (EngineError) leaves it unstarted: iterating it again later
+        retries."""
+        return Generation(lambda g: _OneShotRun(self, job, g))
 
-        return Generation(body)
+
+class _OneShotRun:
+    """The iterator behind a one-shot Generation: its session is opened at the first ``next()`` (a refusal for
+    want of a slot changes nothing, so a later ``next()`` retries) and closed with the last delta, on an error,
+    on ``close()`` or when the Generation is dropped."""
+
+    def __init__(self, engine: "Engine", job: tuple, g: Generation):
+        self.engine, self.job, self.g = engine, job, g
+        self.s: Session | None = None
+        self.inner = None
+
+    def __iter__(self) -> "_OneShotRun":
+        return self
+
+    def __next__(self):
+        if self.inner is None:
+            self.s = self.engine.new_session()  # EngineError when every slot is taken: still unstarted
+            self.inner = self.s._loop(self.g, *self.job)
+        try:
+            d = next(self.inner)
+        except BaseException:  # StopIteration included: the run is over
+            self._end()
+            raise
+        if d.finish_reason is not None:
+            self._end()
+        return d
+
+    def _end(self) -> None:
+        if self.s is not None:
+            self.s.close()
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
+        self._end()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing left to free
+            pass

@@ -98,6 +98,7 @@ class Generation:
 
     def __init__(self, body: Callable[["Generation"], Iterator[Delta]]):
         self._result: GenerationResult | None = None
+        self._closed = False  # close() called (a Generation closed before it started never runs its body)
         # The body sees a weak proxy: no reference cycle, so dropping the Generation closes its running body at
         # once (CPython refcounting), not at the next cyclic garbage collection.
         self._it = body(weakref.proxy(self))
@@ -109,6 +110,7 @@ class Generation:
         return next(self._it)
 
     def close(self) -> None:
+        self._closed = True
         self._it.close()
 
     def result(self) -> GenerationResult:
@@ -244,6 +246,7 @@ class Session:
         self.checkpoints: list[tuple[int, object]] = []
         self._last: StepOutput | None = None  # output of the last processed token (valid when ids non-empty)
         self._busy = False                     # a generation of this session is under way
+        self._pending = None                   # weakref to the last Generation made, until it ends
         self._ex().reset(slot)
 
     def _ex(self) -> Executor:
@@ -356,11 +359,16 @@ class Session:
         KeyboardInterrupt (the session is rolled back to a checkpoint and stays usable).
         """
         self._check_open()
-        if self._busy:
+        prev = self._pending() if self._pending is not None else None
+        if self._busy or (prev is not None and prev._result is None and not prev._closed):
+            # a Generation made and not yet finished, closed or dropped (even one not started yet: two of them
+            # stepped in turn would share the slot's state)
             raise EngineError("this session is already generating: finish or close() its Generation first")
         job = prepare(self.engine, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                       top_p=top_p, seed=seed, stop=stop, stop_ids=stop_ids, checkpoint_at=checkpoint_at)
-        return Generation(lambda g: self._loop(g, *job))
+        g = Generation(lambda g: self._loop(g, *job))
+        self._pending = weakref.ref(g)
+        return g
 
     def chat(self, messages: list[dict], *, tools: list[dict] | None = None, enable_thinking: bool = True,
              **kw) -> Generation:
@@ -430,6 +438,7 @@ class Session:
             raise
         finally:
             self._busy = False
+            self._pending = None  # ended (finished, failed or closed): the next turn may start
         t2 = time.perf_counter()
         tm.generated_tokens = len(out_ids)
         busy = t2 - t_first - paused

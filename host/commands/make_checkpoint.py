@@ -9,6 +9,7 @@ the index maps every tensor to its planned shard and marks the write partial (``
 loading it fails (exit 6) with an "incomplete checkpoint" error naming the absent shard files."""
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -30,6 +31,14 @@ def _looks_like_checkpoint(entries: list[str]) -> bool:
     """Whether a directory's entries are a checkpoint's (what --force may replace): a config.json or a
     safetensors file / index among them."""
     return any(e == "config.json" or e.endswith((".safetensors", ".safetensors.index.json")) for e in entries)
+
+
+def _out_error(msg: str) -> click.ClickException:
+    """An --out the command cannot write to (below a file, no permission, read-only): a bad argument, exit 2
+    (README's exit codes)."""
+    e = click.ClickException(msg)
+    e.exit_code = 2
+    return e
 
 
 @click.command(name="make-checkpoint")
@@ -55,7 +64,7 @@ def command(preset_name: str, out: str, force: bool, seed: int, shard_bytes: int
     for a in Path(out).parents:  # the nearest existing ancestor must be a directory
         if a.exists() or a.is_symlink():
             if not a.is_dir():
-                raise click.ClickException(f"cannot write the checkpoint to --out {out}: {a} is not a directory")
+                raise _out_error(f"cannot write the checkpoint to --out {out}: {a} is not a directory")
             break
     dest = Path(os.path.realpath(out))  # a symlinked OUT: write where it points
     if not dest.name:
@@ -72,8 +81,10 @@ def command(preset_name: str, out: str, force: bool, seed: int, shard_bytes: int
     def fail(e: OSError) -> click.ClickException:
         where = shown(e.filename) if e.filename else None
         same = where is None or os.path.normpath(where) in (os.path.normpath(out), str(dest))
-        return click.ClickException(f"cannot write the checkpoint to --out {out}: {e.strerror or e}"
-                                    + ("" if same else f" ({where})"))
+        msg = f"cannot write the checkpoint to --out {out}: {e.strerror or e}" + ("" if same else f" ({where})")
+        # a path the user cannot write to is a bad argument (exit 2); a full disk or an I/O error is not (exit 1)
+        return _out_error(msg) if e.errno in (errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EROFS) \
+            else click.ClickException(msg)
 
     try:
         entries = sorted(p.name for p in dest.iterdir()) if dest.is_dir() else []

@@ -88,6 +88,7 @@ def test_oneshot_generations_do_not_exhaust_the_slots(text_layer):
     with pytest.raises(EngineError, match="all 2 session slots are in use"):
         next(c)
     assert a.result().ids == b.result().ids == alone[0].ids[:2] and sorted(eng._free) == [0, 1]
+    assert c.result().ids == alone[0].ids[:2] and sorted(eng._free) == [0, 1]   # refused at start: retried later
     # explicit sessions are unchanged: each holds its slot until close()
     s1, s2 = eng.new_session(), eng.new_session()
     with pytest.raises(EngineError, match="slots are in use"):
@@ -142,3 +143,27 @@ def test_empty_chat_message_is_a_prompt(fake_engine, text_layer):
         eng.generate([])
     with pytest.raises(EmptyPrompt):
         eng.chat([])
+
+
+# ---------------------------------------------------------------------------------------------- one session, two turns
+def test_second_generation_of_a_session_waits_for_the_first(text_layer):
+    """Two Generations made on one session before either ran used to pass the "already generating" check (it
+    looked only at a running one) and, stepped in turn, silently produced wrong tokens from the shared slot. Now
+    the second call raises until the first has finished, been closed or been dropped."""
+    eng = _hash_engine(text_layer, slots=2)
+    alone = _hash_engine(text_layer).generate([1, 2, 3], max_new_tokens=3, stop_ids=[]).result().ids
+    s = eng.new_session()
+    g1 = s.generate([1, 2, 3], max_new_tokens=3, stop_ids=[])
+    with pytest.raises(EngineError, match="already generating"):
+        s.generate([4, 5, 6], max_new_tokens=3, stop_ids=[])          # g1 made, not started
+    next(g1)
+    with pytest.raises(EngineError, match="already generating"):
+        s.generate([4, 5, 6], max_new_tokens=3, stop_ids=[])          # g1 running
+    assert g1.result().ids == alone
+    ids = list(s.ids)
+    g2 = s.generate(ids + [7], max_new_tokens=2, stop_ids=[])           # g1 finished: the next turn may start
+    g2.close()                                                           # closed before it started
+    g3 = s.generate(ids + [7], max_new_tokens=2, stop_ids=[])
+    del g3                                                               # dropped before it started
+    assert len(s.generate(ids + [7], max_new_tokens=2, stop_ids=[]).result().ids) == 2
+    s.close()
