@@ -54,7 +54,8 @@ class Main(click.Group):
         except click.UsageError:
             raise
         except click.ClickException as e:
-            click.echo(f"qwen-mk: error: {e.format_message()}", err=True)
+            from host.commands.generate import ERROR
+            click.echo(f"{ERROR} {e.format_message()}", err=True)
             ctx.exit(e.exit_code)
 
 

@@ -245,7 +245,6 @@ class Session:
         self.ids: list[int] = []
         self.checkpoints: list[tuple[int, object]] = []
         self._last: StepOutput | None = None  # output of the last processed token (valid when ids non-empty)
-        self._busy = False                     # a generation of this session is under way
         self._pending = None                   # weakref to the last Generation made, until it ends
         self._ex().reset(slot)
 
@@ -360,7 +359,7 @@ class Session:
         """
         self._check_open()
         prev = self._pending() if self._pending is not None else None
-        if self._busy or (prev is not None and prev._result is None and not prev._closed):
+        if prev is not None and prev._result is None and not prev._closed:
             # a Generation made and not yet finished, closed or dropped (even one not started yet: two of them
             # stepped in turn would share the slot's state)
             raise EngineError("this session is already generating: finish or close() its Generation first")
@@ -387,7 +386,6 @@ class Session:
         cfg_eos = set(self.engine.cfg.eos_token_ids)
         out_ids: list[int] = []
         paused = 0.0
-        self._busy = True
         try:
             out, tm.reused_tokens, tm.prefilled_tokens, note = self._sync(prompt, marks)
             t1 = time.perf_counter()
@@ -437,7 +435,6 @@ class Session:
             self._rewind(len(self.ids))  # state may be half-updated: return to a clean checkpoint
             raise
         finally:
-            self._busy = False
             self._pending = None  # ended (finished, failed or closed): the next turn may start
         t2 = time.perf_counter()
         tm.generated_tokens = len(out_ids)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 
+from host.commands.generate import ERROR
 from host.errors import ExecutorUnavailable
 from host.executors import gpu_available
 
@@ -40,11 +41,11 @@ def command(list_only, only, timeout):
         raise click.UsageError(f"unknown benchmark(s) {', '.join(unknown)}; found: {', '.join(names) or 'none'}")
     ok, why = gpu_available()
     if not ok:
-        click.echo(f"qwen-mk: error: the benchmarks need an NVIDIA GPU: {why}; modules found: "
+        click.echo(f"{ERROR} the benchmarks need an NVIDIA GPU: {why}; modules found: "
                    f"{', '.join(names) or 'none'}", err=True)
         sys.exit(ExecutorUnavailable.exit_code)
     if not names:
-        click.echo("qwen-mk: error: no benchmark modules (bench/bench_*.py) exist yet", err=True)
+        click.echo(f"{ERROR} no benchmark modules (bench/bench_*.py) exist yet", err=True)
         sys.exit(1)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     failed = []
@@ -59,5 +60,5 @@ def command(list_only, only, timeout):
         if rc:
             failed.append(n)
     if failed:
-        click.echo(f"qwen-mk: error: failed: {', '.join(failed)}", err=True)
+        click.echo(f"{ERROR} failed: {', '.join(failed)}", err=True)
         sys.exit(1)
