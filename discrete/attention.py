@@ -16,7 +16,8 @@ from discrete.launch import kernels
 from loader.config import ModelConfig
 
 SOURCES = ("attention.cu",)
-THREADS = 512  # MX_ATT_THREADS
+THREADS = 512  # MX_ATT_THREADS (values)
+SCORE_THREADS = 256  # MX_ATT_SC_THREADS
 
 
 def extra_defines(cfg: ModelConfig) -> dict[str, int | str]:
@@ -99,7 +100,7 @@ class AttnDecode:
                                           np.uint64(base), self.q, pos_dev))
         grid = (self.parts, nkv)
         cap = np.int32(self.capacity)
-        self.k_scores(grid, (THREADS,), (self.q, np.uint64(base), sess.table, ps, self.scores, cap, self.stats_m,
+        self.k_scores(grid, (SCORE_THREADS,), (self.q, np.uint64(base), sess.table, ps, self.scores, cap, self.stats_m,
                                          self.stats_l, pos_dev, np.int32(M)))
         self.k_values(grid, (THREADS,), (np.uint64(base), sess.table, ps, self.scores, cap, self.stats_m,
                                          self.stats_l, self.partial, pos_dev, np.int32(M)))

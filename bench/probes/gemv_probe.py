@@ -87,7 +87,7 @@ def main(argv=None) -> int:
         for name in ("gate_up", "gdn_z"):
             N, K, S = SHAPES[name]
             (w, s), = weights(cp, N, K, 1)
-            g = Gemv(cfg, w, s, split=S, name=name, bulk=a.bulk)
+            g = Gemv(cfg, w, s, split=S, name=name, **({"bulk": True} if a.bulk else {}))
             x = cp.asarray((np.random.default_rng(0).standard_normal((1, K)).astype(np.float32).view(np.uint32) >> 16)
                            .astype(np.uint16))
             P = cp.zeros(g.partials_size(1), cp.float32)

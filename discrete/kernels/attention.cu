@@ -1,7 +1,7 @@
 // attention.cu — discrete-path wrappers for the four attention stages (attention.cuh).
 // Launches (pos read from device memory, so a captured graph replays unchanged):
 //   qmk_attn_prep    grid (M, NQ + NKV), block 32
-//   qmk_attn_scores  grid (P, NKV), block MX_ATT_THREADS
+//   qmk_attn_scores  grid (P, NKV), block MX_ATT_SC_THREADS
 //   qmk_attn_values  grid (P, NKV), block MX_ATT_THREADS
 //   qmk_attn_reduce  grid (M, NQ), block HD
 #include "attention.cuh"
@@ -18,13 +18,13 @@ qmk_attn_prep(const mx_u16* __restrict__ qg, const mx_u16* __restrict__ k, const
 }
 
 // qmk: hot
-extern "C" __global__ void __launch_bounds__(MX_ATT_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(MX_ATT_SC_THREADS, 1)
 qmk_attn_scores(const mx_u16* __restrict__ q, const mx_u16* __restrict__ kv, const int* __restrict__ page_table,
                 long long page_stride, mx_u16* __restrict__ scores, int cap, float* __restrict__ stats_m,
                 float* __restrict__ stats_l, const int* __restrict__ pos_ptr, int M) {
     qmk_pdl_enter();  // PDL: successor may be scheduled; wait for the predecessor (pdl.cuh)
-    mx_attn_scores(q, kv, page_table, page_stride, scores, cap, stats_m, stats_l, *pos_ptr, M, blockIdx.x,
-                   blockIdx.y);
+    mx_attn_scores_t<MX_ATT_SC_THREADS, true>(q, kv, page_table, page_stride, scores, cap, stats_m, stats_l, *pos_ptr,
+                                              M, blockIdx.x, blockIdx.y);
 }
 
 // qmk: hot

@@ -44,10 +44,12 @@
 #define MX_TILE 256                            // keys per p tile in the value pass
 #define MX_RB 2                                // rows per register chunk in the value pass
 #define MX_KB 4                                // keys per warp round in the score pass (loads in flight)
+#define MX_KB_HOIST 8                          // the same, discrete score kernel (queries in registers)
+#define MX_ATT_SC_THREADS 256                  // discrete score kernel: 8 warps, up to 255 registers
 #define MX_VB 8                                // keys per thread round in the value pass (loads in flight)
 
 static_assert(MX_HD == 256, "attention.cuh: a lane owns 8 of 256 head dims");
-static_assert(QMK_ROTARY_DIM == 64, "attention.cuh: RoPE partner lane = lane ^ 4 assumes 64 rotary dims");
+static_assert(QMK_ROTARY_DIM == 64, "attention.cuh: RoPE partner lane = lane ^ 4 and one angle per lane assume 64 rotary dims");
 static_assert(MX_ATT_THREADS % (MX_HD / 2) == 0, "attention.cuh: value pass thread split");
 
 struct MxRange { int lo, hi; };
@@ -89,15 +91,19 @@ __device__ void mx_attn_prep(const mx_u16* __restrict__ qg, const mx_u16* __rest
 #pragma unroll
     for (int e = 0; e < 8; ++e) x[e] = mx_bf2f(rv[e]);
     mx_head_norm1pw<8>(x, isq ? q_norm_w : k_norm_w, y);
-    // partial RoPE on dims [0, ROT): d pairs with d +- ROT/2, held by lane ^ 4
+    // partial RoPE on dims [0, ROT): d pairs with d +- ROT/2, held by lane ^ 4. The ROT/2 = 32 angles of position
+    // p are computed once each, lane f taking frequency f (float64 cos / sin in parallel rather than 8 in a row
+    // per lane), and fetched by the lanes that own the dims (same values, same rounding).
     const int p = pos + i;
+    const float ang = __fmul_rn((float)p, inv_freq[lane]);
+    const float cf = mx_round_bf((float)cos((double)ang)), sf = mx_round_bf((float)sin((double)ang));
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
         const float part = mx_bf2f((mx_u16)__shfl_xor_sync(0xffffffffu, (unsigned)y[e], 4));
         const int d = lane * 8 + e;
+        const float c = __shfl_sync(0xffffffffu, cf, d % (QMK_ROTARY_DIM / 2));
+        const float s = __shfl_sync(0xffffffffu, sf, d % (QMK_ROTARY_DIM / 2));
         if (d < QMK_ROTARY_DIM) {
-            const float ang = __fmul_rn((float)p, inv_freq[d % (QMK_ROTARY_DIM / 2)]);
-            const float c = mx_round_bf((float)cos((double)ang)), s = mx_round_bf((float)sin((double)ang));
             const float rot = d < QMK_ROTARY_DIM / 2 ? -part : part;
             const float a = mx_round_bf(__fmul_rn(mx_bf2f(y[e]), c)), b = mx_round_bf(__fmul_rn(rot, s));
             y[e] = mx_f2bf(__fadd_rn(a, b));
@@ -117,55 +123,109 @@ __device__ void mx_attn_prep(const mx_u16* __restrict__ qg, const mx_u16* __rest
 }
 
 // ---------------------------------------------------------------- scores + per-partition stats
-// Block (p, h), MX_ATT_THREADS threads. scores [M, NQ, cap] bf16; stats_m/stats_l [M, NQ, P] fp32.
-__device__ void mx_attn_scores(const mx_u16* __restrict__ q_in, const mx_u16* __restrict__ kv,
-                               const int* __restrict__ page_table, long long page_stride,
-                               mx_u16* __restrict__ scores, int cap, float* __restrict__ stats_m,
-                               float* __restrict__ stats_l, int pos, int M, int p, int h) {
+// Block (p, h), NT threads. scores [M, NQ, cap] bf16; stats_m/stats_l [M, NQ, P] fp32.
+// Every score is s = bf16(bf16(fp32(Σ_d q_d·k_d)) · scale): lane l holds dims 8l..8l+7, its 8 exact products are
+// summed in float64 in dim order, the warp's lanes by mx_warp_sum_d's butterfly (the G heads' butterflies of a key
+// interleaved: same adds, same order), rounded once. HOIST (the discrete kernel, 256 threads, registers to spare):
+// a row's queries are widened to float64 once and held in registers, rows outer, keys inner; otherwise (the
+// megakernel's 128-register budget) keys outer, rows inner, queries widened per key. Same bits either way.
+template <int NT, bool HOIST>
+__device__ __forceinline__ void mx_attn_scores_t(const mx_u16* __restrict__ q_in, const mx_u16* __restrict__ kv,
+                                                 const int* __restrict__ page_table, long long page_stride,
+                                                 mx_u16* __restrict__ scores, int cap, float* __restrict__ stats_m,
+                                                 float* __restrict__ stats_l, int pos, int M, int p, int h) {
+    constexpr int NW = NT / 32, KB = HOIST ? MX_KB_HOIST : MX_KB;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    int lo = 0x7fffffff, hi = 0;
-    for (int i = 0; i < M; ++i) {
-        const MxRange r = mx_part_range(pos + i + 1, p);
-        if (r.lo < r.hi) { lo = min(lo, r.lo); hi = max(hi, r.hi); }
-    }
-    if (lo >= hi) lo = hi = 0;  // no keys here: keep lo + warp from overflowing
-    // each warp takes MX_KB keys per round (lo+warp, lo+warp+16, ...), loads them all, then scores them
-    for (int jb = lo + warp; jb < hi; jb += MX_KB * MX_ATT_WARPS) {
-        uint4 kr[MX_KB];
+    auto store = [&](const double (&t)[MX_G], int i, int j) {  // lane g stores head g's score of key j, row i
 #pragma unroll
-        for (int u = 0; u < MX_KB; ++u) {
-            const int j = jb + u * MX_ATT_WARPS;
-            if (j < hi) kr[u] = *reinterpret_cast<const uint4*>(kv + mx_kv_off(page_table, page_stride, 0, h, j) + lane * 8);
+        for (int g = 0; g < MX_G; ++g)
+            if (lane == g)
+                scores[((size_t)i * QMK_N_Q_HEADS + h * MX_G + g) * cap + j] =
+                    mx_f2bf(__fmul_rn(mx_round_bf((float)t[g]), QMK_ATTN_SCALE));
+    };
+    if (HOIST) {
+        for (int i = 0; i < M; ++i) {
+            const MxRange r = mx_part_range(pos + i + 1, p);
+            if (r.lo >= r.hi) continue;
+            double qd[MX_G][8];
+#pragma unroll
+            for (int g = 0; g < MX_G; ++g) {
+                const uint4 qr = *reinterpret_cast<const uint4*>(q_in + ((size_t)i * QMK_N_Q_HEADS + h * MX_G + g) * MX_HD + lane * 8);
+                const mx_u16* qp = reinterpret_cast<const mx_u16*>(&qr);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) qd[g][e] = (double)mx_bf2f(qp[e]);
+            }
+            for (int jb = r.lo + warp; jb < r.hi; jb += KB * NW) {
+                uint4 kr[KB];
+#pragma unroll
+                for (int u = 0; u < KB; ++u) {
+                    const int j = jb + u * NW;
+                    if (j < r.hi) kr[u] = *reinterpret_cast<const uint4*>(kv + mx_kv_off(page_table, page_stride, 0, h, j) + lane * 8);
+                }
+#pragma unroll
+                for (int u = 0; u < KB; ++u) {
+                    const int j = jb + u * NW;
+                    if (j >= r.hi) break;
+                    const mx_u16* kp = reinterpret_cast<const mx_u16*>(&kr[u]);
+                    double kd[8], t[MX_G];
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) kd[e] = (double)mx_bf2f(kp[e]);
+#pragma unroll
+                    for (int g = 0; g < MX_G; ++g) {
+                        double sd = 0.0;
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) sd = __fma_rn(qd[g][e], kd[e], sd);
+                        t[g] = sd;
+                    }
+                    mx_warp_sum_d_n<MX_G>(t);
+                    store(t, i, j);
+                }
+            }
         }
+    } else {
+        int lo = 0x7fffffff, hi = 0;
+        for (int i = 0; i < M; ++i) {
+            const MxRange r = mx_part_range(pos + i + 1, p);
+            if (r.lo < r.hi) { lo = min(lo, r.lo); hi = max(hi, r.hi); }
+        }
+        if (lo >= hi) lo = hi = 0;  // no keys here: keep lo + warp from overflowing
+        // each warp takes KB keys per round (lo+warp, lo+warp+NW, ...), loads them all, then scores them
+        for (int jb = lo + warp; jb < hi; jb += KB * NW) {
+            uint4 kr[KB];
 #pragma unroll
-        for (int u = 0; u < MX_KB; ++u) {
-            const int j = jb + u * MX_ATT_WARPS;
-            if (j >= hi) break;
-            const mx_u16* kp = reinterpret_cast<const mx_u16*>(&kr[u]);
-            float kf[8];
+            for (int u = 0; u < KB; ++u) {
+                const int j = jb + u * NW;
+                if (j < hi) kr[u] = *reinterpret_cast<const uint4*>(kv + mx_kv_off(page_table, page_stride, 0, h, j) + lane * 8);
+            }
 #pragma unroll
-            for (int e = 0; e < 8; ++e) kf[e] = mx_bf2f(kp[e]);
-            for (int i = 0; i < M; ++i) {
-                const MxRange r = mx_part_range(pos + i + 1, p);
-                if (j < r.lo || j >= r.hi) continue;
+            for (int u = 0; u < KB; ++u) {
+                const int j = jb + u * NW;
+                if (j >= hi) break;
+                const mx_u16* kp = reinterpret_cast<const mx_u16*>(&kr[u]);
+                float kf[8];
 #pragma unroll
-                for (int g = 0; g < MX_G; ++g) {
-                    const int qh = h * MX_G + g;
-                    const uint4 qr = *reinterpret_cast<const uint4*>(q_in + ((size_t)i * QMK_N_Q_HEADS + qh) * MX_HD + lane * 8);
-                    const mx_u16* qp = reinterpret_cast<const mx_u16*>(&qr);
-                    double sd = 0.0;  // exact bf16 products, float64 sum (order-free), rounded once
+                for (int e = 0; e < 8; ++e) kf[e] = mx_bf2f(kp[e]);
+                for (int i = 0; i < M; ++i) {
+                    const MxRange r = mx_part_range(pos + i + 1, p);
+                    if (j < r.lo || j >= r.hi) continue;
+                    double t[MX_G];
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) sd = __fma_rn((double)mx_bf2f(qp[e]), (double)kf[e], sd);
-                    sd = mx_warp_sum_d(sd);
-                    if (lane == 0)
-                        scores[((size_t)i * QMK_N_Q_HEADS + qh) * cap + j] =
-                            mx_f2bf(__fmul_rn(mx_round_bf((float)sd), QMK_ATTN_SCALE));
+                    for (int g = 0; g < MX_G; ++g) {
+                        const uint4 qr = *reinterpret_cast<const uint4*>(q_in + ((size_t)i * QMK_N_Q_HEADS + h * MX_G + g) * MX_HD + lane * 8);
+                        const mx_u16* qp = reinterpret_cast<const mx_u16*>(&qr);
+                        double sd = 0.0;
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) sd = __fma_rn((double)mx_bf2f(qp[e]), (double)kf[e], sd);
+                        t[g] = sd;
+                    }
+                    mx_warp_sum_d_n<MX_G>(t);
+                    store(t, i, j);
                 }
             }
         }
     }
     __syncthreads();  // the block's score writes are visible to its own threads after the barrier
-    for (int t = warp; t < M * MX_G; t += MX_ATT_WARPS) {
+    for (int t = warp; t < M * MX_G; t += NW) {
         const int i = t / MX_G, qh = h * MX_G + t % MX_G;
         const MxRange r = mx_part_range(pos + i + 1, p);
         const mx_u16* sr = scores + ((size_t)i * QMK_N_Q_HEADS + qh) * cap;
@@ -186,11 +246,20 @@ __device__ void mx_attn_scores(const mx_u16* __restrict__ q_in, const mx_u16* __
     }
 }
 
+// The megakernel's form (MX_ATT_THREADS threads, queries widened per key).
+__device__ void mx_attn_scores(const mx_u16* __restrict__ q_in, const mx_u16* __restrict__ kv,
+                               const int* __restrict__ page_table, long long page_stride,
+                               mx_u16* __restrict__ scores, int cap, float* __restrict__ stats_m,
+                               float* __restrict__ stats_l, int pos, int M, int p, int h) {
+    mx_attn_scores_t<MX_ATT_THREADS, false>(q_in, kv, page_table, page_stride, scores, cap, stats_m, stats_l, pos, M,
+                                            p, h);
+}
+
 // ---------------------------------------------------------------- values: p_j under global (M, L), p.V
 struct MxAttnValSmem {
     float gmax[QMK_MAX_ROWS][MX_G], gsum[QMK_MAX_ROWS][MX_G];
     double red[MX_G][MX_HD];                   // key-group combine of the float64 partial sums
-    mx_u16 pt[MX_RB][MX_G][MX_TILE];
+    double pt[MX_RB][MX_G][MX_TILE];           // p_j (bf16 values), widened once per tile
 };
 
 // Block (p, h). partial [M, NQ, P, HD] fp32 (written for the non-empty partitions of each row only).
@@ -199,22 +268,41 @@ __device__ void mx_attn_values(const mx_u16* __restrict__ kv, const int* __restr
                                const float* __restrict__ stats_m, const float* __restrict__ stats_l,
                                float* __restrict__ partial, int pos, int M, int p, int h, MxAttnValSmem& sm) {
     const int tid = threadIdx.x;
-    if (tid < M * MX_G) {  // merge the partition stats in partition order
-        const int i = tid / MX_G, g = tid % MX_G, qh = h * MX_G + g;
-        const int L = pos + i + 1;
-        const size_t b = ((size_t)i * QMK_N_Q_HEADS + qh) * QMK_ATTN_PARTS;
-        float gm = __int_as_float(0xff800000);
-        for (int q = 0; q < QMK_ATTN_PARTS; ++q) {
-            const MxRange r = mx_part_range(L, q);
-            if (r.lo < r.hi) gm = fmaxf(gm, stats_m[b + q]);
+    // merge the partition stats: one warp per (row, query head), lane l holding partitions l, l + 32, ... (loads
+    // and float64 exps in parallel); M = their max (exact in any order); L = fp32 sum in partition order, from 0
+    {
+        constexpr int PL = (QMK_ATTN_PARTS + 31) / 32;
+        const int lane = tid & 31;
+        for (int t = tid >> 5; t < M * MX_G; t += MX_ATT_WARPS) {
+            const int i = t / MX_G, g = t % MX_G, qh = h * MX_G + g;
+            const int L = pos + i + 1, c = (L + QMK_ATTN_PARTS - 1) / QMK_ATTN_PARTS;  // partition q has keys iff q·c < L
+            const size_t b = ((size_t)i * QMK_N_Q_HEADS + qh) * QMK_ATTN_PARTS;
+            float pm[PL], pl[PL];
+            float gm = __int_as_float(0xff800000);
+#pragma unroll
+            for (int u = 0; u < PL; ++u) {
+                const int q = lane + 32 * u;
+                pm[u] = pl[u] = 0.0f;
+                if (q < QMK_ATTN_PARTS && q * c < L) {
+                    pm[u] = stats_m[b + q];
+                    pl[u] = stats_l[b + q];
+                    gm = fmaxf(gm, pm[u]);
+                }
+            }
+            gm = mx_warp_max(gm);
+#pragma unroll
+            for (int u = 0; u < PL; ++u) pl[u] = __fmul_rn(pl[u], mx_exp_f(__fsub_rn(pm[u], gm)));
+            float gl = 0.0f;
+#pragma unroll
+            for (int q = 0; q < QMK_ATTN_PARTS; ++q) {
+                const float term = __shfl_sync(0xffffffffu, pl[q / 32], q % 32);
+                if (q * c < L) gl = __fadd_rn(gl, term);
+            }
+            if (lane == 0) {
+                sm.gmax[i][g] = gm;
+                sm.gsum[i][g] = gl;
+            }
         }
-        float gl = 0.0f;
-        for (int q = 0; q < QMK_ATTN_PARTS; ++q) {
-            const MxRange r = mx_part_range(L, q);
-            if (r.lo < r.hi) gl = __fadd_rn(gl, __fmul_rn(stats_l[b + q], mx_exp_f(__fsub_rn(stats_m[b + q], gm))));
-        }
-        sm.gmax[i][g] = gm;
-        sm.gsum[i][g] = gl;
     }
     const int grp = tid / (MX_HD / 2), d2 = (tid % (MX_HD / 2)) * 2;
     for (int r0 = 0; r0 < M; r0 += MX_RB) {
@@ -244,7 +332,7 @@ __device__ void mx_attn_values(const mx_u16* __restrict__ kv, const int* __restr
                     const float s = mx_bf2f(scores[((size_t)i * QMK_N_Q_HEADS + qh) * cap + j]);
                     pv = __fdiv_rn(mx_exp_f(__fsub_rn(s, sm.gmax[i][g])), sm.gsum[i][g]);
                 }
-                sm.pt[a][g][jj] = mx_f2bf(pv);
+                sm.pt[a][g][jj] = (double)mx_round_bf(pv);
             }
             __syncthreads();
             const int tend = min(t0 + MX_TILE, hi);
@@ -266,7 +354,7 @@ __device__ void mx_attn_values(const mx_u16* __restrict__ kv, const int* __restr
                         if (j < rr[a].lo || j >= rr[a].hi) continue;
 #pragma unroll
                         for (int g = 0; g < MX_G; ++g) {
-                            const double pv = mx_bf2f(sm.pt[a][g][j - t0]);
+                            const double pv = sm.pt[a][g][j - t0];
                             acc[a][g][0] = __fma_rn(pv, v0, acc[a][g][0]);
                             acc[a][g][1] = __fma_rn(pv, v1, acc[a][g][1]);
                         }
@@ -308,10 +396,17 @@ __device__ void mx_attn_reduce(const float* __restrict__ partial, const mx_u16* 
     const int d = threadIdx.x;
     const int L = pos + i + 1;
     const float* src = partial + ((size_t)i * QMK_N_Q_HEADS + qh) * QMK_ATTN_PARTS * MX_HD + d;
+    const int c = (L + QMK_ATTN_PARTS - 1) / QMK_ATTN_PARTS;  // partition q has keys iff q·c < L
     float acc = 0.0f;  // o = fp32(o + o_p) in partition order, from 0 (reference attn_decode_group)
-    for (int q = 0; q < QMK_ATTN_PARTS; ++q) {
-        const MxRange r = mx_part_range(L, q);
-        if (r.lo < r.hi) acc = __fadd_rn(acc, src[(size_t)q * MX_HD]);
+#pragma unroll
+    for (int q0 = 0; q0 < QMK_ATTN_PARTS; q0 += 8) {
+        float v[8];  // 8 partitions' values loaded before any is added (empty ones: in bounds, never used)
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+            if (q0 + u < QMK_ATTN_PARTS) v[u] = src[(size_t)(q0 + u) * MX_HD];
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+            if (q0 + u < QMK_ATTN_PARTS && (q0 + u) * c < L) acc = __fadd_rn(acc, v[u]);
     }
     const float o = mx_round_bf(acc);
     const float gt = mx_bf2f(qg[(size_t)i * 2 * QMK_N_Q_HEADS * MX_HD + (size_t)qh * 2 * MX_HD + MX_HD + d]);

@@ -41,7 +41,6 @@
 #define MX_GDN_CPW (QMK_GDN_DV / MX_GDN_WARPS)     // value columns per warp
 #define MX_GDN_CH (2 * QMK_GDN_DK + QMK_GDN_DV)      // conv channels one head reads
 #define MX_GDN_NKB (QMK_HIDDEN / 128)                 // K blocks of in_proj_a/b
-#define MX_GDN_AB_BATCH 8                             // a/b warp tasks with loads in flight together
 
 static_assert(QMK_GDN_DK == 128 && QMK_GDN_DV == 128, "gdn.cuh: lanes own 4 of 128 keys");
 static_assert(QMK_GDN_DV % MX_GDN_WARPS == 0, "gdn.cuh: value columns must split evenly over warps");
@@ -50,13 +49,14 @@ static_assert(QMK_CONV_K == 4, "gdn.cuh: 4-tap conv");
 static_assert(QMK_CONV_RING >= QMK_MAX_ROWS + QMK_CONV_K - 1, "gdn.cuh: ring too short for M rows");
 static_assert(2 * QMK_MAX_ROWS <= MX_GDN_WARPS, "gdn.cuh: one warp per (row, q|k) l2norm task");
 
-// Σ over the warp's 128 keys of s·k: fp32 products are exact in float64, summed in float64, rounded once
-__device__ __forceinline__ float mx_dot4_warp(const float4& s, const float4& k) {
+// This lane's part of Σ over the warp's 128 keys of s·k: fp32 products are exact in float64, summed in float64;
+// the warp sum (mx_warp_sum_d[_n]) then rounds once to fp32
+__device__ __forceinline__ double mx_dot4_lane(const float4& s, const float4& k) {
     double d = (double)s.x * (double)k.x;
     d = __fma_rn((double)s.y, (double)k.y, d);
     d = __fma_rn((double)s.z, (double)k.z, d);
     d = __fma_rn((double)s.w, (double)k.w, d);
-    return (float)mx_warp_sum_d(d);
+    return d;
 }
 
 struct MxGdnSmem {
@@ -65,85 +65,169 @@ struct MxGdnSmem {
     float ab[QMK_MAX_ROWS][2][MX_GDN_NKB];    // per-K-block dot products of in_proj_a (0) and in_proj_b (1)
     float decay[QMK_MAX_ROWS], beta[QMK_MAX_ROWS];
     float o[QMK_MAX_ROWS][QMK_GDN_DV];        // core output, bf16 values
+    float4 zs[QMK_MAX_ROWS + 1][32];          // silu(z) of each row (lane's 4 dims), then the norm weights
 };
 
 // softplus in float64 with torch's threshold 20, rounded to fp32 (reference gdn_gates)
 __device__ __forceinline__ float mx_softplus(float x) { const double d = x; return d > 20.0 ? x : (float)log1p(exp(d)); }
 
-// Args: qkv [M, CONV_DIM] (in_proj_qkv output, pre-conv), z [M, VALUE_DIM], hn [M, HIDDEN] (normed hidden),
-// w_a/w_b [NV, HIDDEN], a_log/dt_bias [NV], conv_w [CONV_DIM, 4], norm_w [DV] (all bf16); ring, state as
-// above; out [M, VALUE_DIM] bf16; pos = position of row 0. Call from all threads of a MX_GDN_THREADS block.
-__device__ void mx_gdn_step_head(const mx_u16* __restrict__ qkv, const mx_u16* __restrict__ z,
-                                 const mx_u16* __restrict__ hn, const mx_u16* __restrict__ w_a,
-                                 const mx_u16* __restrict__ w_b, const mx_u16* __restrict__ a_log,
-                                 const mx_u16* __restrict__ dt_bias, const mx_u16* __restrict__ conv_w,
-                                 const mx_u16* __restrict__ norm_w, mx_u16* __restrict__ ring,
-                                 float* __restrict__ state, mx_u16* __restrict__ out, int pos, int M, int j,
-                                 MxGdnSmem& sm) {
+// Probe builds only (bench/probes/mixer_probe.py --stamps defines QMK_GDN_STAMPS): SM clock at the end of each
+// phase, thread 0 of block 0, into qmk_gdn_stamps[k].
+#ifdef QMK_GDN_STAMPS
+__device__ long long qmk_gdn_stamps[16];
+#define MX_GDN_STAMP(k) do { if (blockIdx.x == 0 && threadIdx.x == 0) qmk_gdn_stamps[k] = clock64(); } while (0)
+#else
+#define MX_GDN_STAMP(k) do { } while (0)
+#endif
+
+// The weights of value head j a step reads, loaded into registers before its inputs exist: the discrete wrapper
+// issues this before its PDL wait (the loads fly while the predecessor drains), the megakernel right before the
+// step. Per thread: the 4 conv taps of channel tid (tid < MX_GDN_CH); in_proj_a/b lane chunks of the warp's
+// K-blocks kb = warp + MX_GDN_WARPS·u; the norm weights of the lane's 4 value dims; A_log, dt_bias of the head.
+#define MX_GDN_KBPW ((MX_GDN_NKB + MX_GDN_WARPS - 1) / MX_GDN_WARPS)  // a/b K-blocks per warp
+struct MxGdnPre {
+    uint2 cw;                      // conv_w[ch, 0..3]
+    uint2 wab[2][MX_GDN_KBPW];     // [a | b][u]: 4 bf16 of row j at columns kb·128 + 4·lane
+    uint2 nw;                      // norm_w[4·lane .. 4·lane + 3]
+    mx_u16 alog, dtb;
+};
+
+static_assert(MX_GDN_CH <= MX_GDN_THREADS, "gdn.cuh: one thread per conv channel");
+
+// w_a/w_b [NV, HIDDEN], a_log/dt_bias [NV], conv_w [CONV_DIM, 4], norm_w [DV] (bf16). Weights only: safe before
+// a PDL wait.
+__device__ __forceinline__ void mx_gdn_prefetch(const mx_u16* __restrict__ w_a, const mx_u16* __restrict__ w_b,
+                                                const mx_u16* __restrict__ a_log, const mx_u16* __restrict__ dt_bias,
+                                                const mx_u16* __restrict__ conv_w, const mx_u16* __restrict__ norm_w,
+                                                int j, MxGdnPre& pre) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int hk = j / QMK_GDN_HEAD_GROUP, c = tid < MX_GDN_CH ? tid : 0;
+    const int ch = c < QMK_GDN_DK ? hk * QMK_GDN_DK + c
+                 : c < 2 * QMK_GDN_DK ? QMK_GDN_KEY_DIM + hk * QMK_GDN_DK + (c - QMK_GDN_DK)
+                 : 2 * QMK_GDN_KEY_DIM + j * QMK_GDN_DV + (c - 2 * QMK_GDN_DK);
+    pre.cw = *reinterpret_cast<const uint2*>(conv_w + (size_t)ch * 4);
+#pragma unroll
+    for (int u = 0; u < MX_GDN_KBPW; ++u) {
+        const int kb = warp + MX_GDN_WARPS * u;
+        const size_t o = (size_t)j * QMK_HIDDEN + (kb < MX_GDN_NKB ? kb : 0) * 128 + lane * 4;
+        pre.wab[0][u] = *reinterpret_cast<const uint2*>(w_a + o);
+        pre.wab[1][u] = *reinterpret_cast<const uint2*>(w_b + o);
+    }
+    pre.nw = *reinterpret_cast<const uint2*>(norm_w + lane * 4);
+    pre.alog = a_log[j];
+    pre.dtb = dt_bias[j];
+}
+
+__device__ __forceinline__ float mx_u2_bf(const uint2& v, int e) {  // element e (0..3) of 4 packed bf16
+    const unsigned w = e < 2 ? v.x : v.y;
+    return mx_bf2f((mx_u16)((e & 1) ? (w >> 16) : (w & 0xffffu)));
+}
+
+// Args: qkv [M, CONV_DIM] (in_proj_qkv output, pre-conv), z [M, VALUE_DIM], hn [M, HIDDEN] (normed hidden);
+// ring, state as above; out [M, VALUE_DIM] bf16; pos = position of row 0; pre = mx_gdn_prefetch of head j.
+// CH: state columns whose warp sums run interleaved (the discrete kernel: all MX_GDN_CPW; the megakernel, short of
+// registers: 1); the bits do not depend on it. Call from all threads of a MX_GDN_THREADS block.
+template <int CH>
+__device__ __forceinline__ void mx_gdn_step_head_pre(const mx_u16* __restrict__ qkv, const mx_u16* __restrict__ z,
+                                     const mx_u16* __restrict__ hn, mx_u16* __restrict__ ring,
+                                     float* __restrict__ state, mx_u16* __restrict__ out, int pos, int M, int j,
+                                     const MxGdnPre& pre, MxGdnSmem& sm) {
+    static_assert(MX_GDN_CPW % CH == 0, "gdn.cuh: CH must divide the columns per warp");
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int hk = j / QMK_GDN_HEAD_GROUP;
     const bool writes_qk = (j % QMK_GDN_HEAD_GROUP) == 0;
 
-    // issue the state loads first: they are the bytes this kernel is about
+    // every input load is issued up front: the state (the bytes this kernel is about), the conv window, z
     float4 S[MX_GDN_CPW];
     float* st = state + ((size_t)j * QMK_GDN_DV + warp * MX_GDN_CPW) * QMK_GDN_DK + lane * 4;
 #pragma unroll
     for (int c = 0; c < MX_GDN_CPW; ++c) S[c] = *reinterpret_cast<const float4*>(st + c * QMK_GDN_DK);
+    const int c = tid;  // conv channel of this thread (c < MX_GDN_CH)
+    const int ch = c < QMK_GDN_DK ? hk * QMK_GDN_DK + c
+                 : c < 2 * QMK_GDN_DK ? QMK_GDN_KEY_DIM + hk * QMK_GDN_DK + (c - QMK_GDN_DK)
+                 : 2 * QMK_GDN_KEY_DIM + j * QMK_GDN_DV + (c - 2 * QMK_GDN_DK);
+    mx_u16 xin[QMK_MAX_ROWS + 3];  // conv inputs of positions pos-3 .. pos+M-1 (0 before position 0)
+    if (c < MX_GDN_CH) {
+#pragma unroll
+        for (int t = 0; t < 3; ++t) {
+            const int p = pos - 3 + t;
+            xin[t] = p >= 0 ? ring[(size_t)(p % QMK_CONV_RING) * QMK_GDN_CONV_DIM + ch] : (mx_u16)0;
+        }
+#pragma unroll
+        for (int i = 0; i < QMK_MAX_ROWS; ++i) xin[3 + i] = i < M ? qkv[(size_t)i * QMK_GDN_CONV_DIM + ch] : (mx_u16)0;
+    }
+    const int zrow = MX_GDN_WARPS - 1 - warp;  // the gate z of row zrow (< M): the last warps, which have the fewest a/b blocks
+    uint2 zv = make_uint2(0u, 0u);
+    if (zrow < M) zv = *reinterpret_cast<const uint2*>(z + (size_t)zrow * QMK_GDN_VALUE_DIM + (size_t)j * QMK_GDN_DV + lane * 4);
+    float A = 0.0f;  // -fp32(exp(A_log)) (the decay lanes need it; computed while the loads fly)
+    if (warp == MX_GDN_WARPS - 1) A = -(float)exp((double)mx_bf2f(pre.alog));
+    MX_GDN_STAMP(2);
 
-    // A1: conv ring + 4-tap conv + silu for the head's q, k, v channels, all rows
-    for (int t = tid; t < M * MX_GDN_CH; t += MX_GDN_THREADS) {
-        const int i = t / MX_GDN_CH, c = t % MX_GDN_CH;
-        const int ch = c < QMK_GDN_DK ? hk * QMK_GDN_DK + c
-                     : c < 2 * QMK_GDN_DK ? QMK_GDN_KEY_DIM + hk * QMK_GDN_DK + (c - QMK_GDN_DK)
-                     : 2 * QMK_GDN_KEY_DIM + j * QMK_GDN_DV + (c - 2 * QMK_GDN_DK);
-        double acc = 0.0;  // products of bf16 are exact in float64: the 4-term sum is order-free
+    // A1: 4-tap conv + silu of channel c for every row; the ring gets this launch's inputs
+    if (c < MX_GDN_CH) {
+        double wt[4];
 #pragma unroll
-        for (int tap = 0; tap < 4; ++tap) {
-            const int p = pos + i - 3 + tap;  // input position of this tap
-            mx_u16 x = 0;
-            if (p >= pos) x = qkv[(size_t)(p - pos) * QMK_GDN_CONV_DIM + ch];
-            else if (p >= 0) x = ring[(size_t)(p % QMK_CONV_RING) * QMK_GDN_CONV_DIM + ch];
-            acc = __fma_rn((double)mx_bf2f(conv_w[ch * 4 + tap]), (double)mx_bf2f(x), acc);
+        for (int tap = 0; tap < 4; ++tap) wt[tap] = (double)mx_u2_bf(pre.cw, tap);
+#pragma unroll
+        for (int i = 0; i < QMK_MAX_ROWS; ++i) {
+            if (i >= M) break;
+            double acc = 0.0;  // products of bf16 are exact in float64: the 4-term sum is order-free
+#pragma unroll
+            for (int tap = 0; tap < 4; ++tap) acc = __fma_rn(wt[tap], (double)mx_bf2f(xin[i + tap]), acc);
+            const float y = mx_round_bf(mx_silu(mx_round_bf((float)acc)));
+            if (c < 2 * QMK_GDN_DK) sm.qk[i][c / QMK_GDN_DK][c % QMK_GDN_DK] = y;
+            else sm.v[i][c - 2 * QMK_GDN_DK] = y;
+            if (c >= 2 * QMK_GDN_DK || writes_qk) ring[(size_t)((pos + i) % QMK_CONV_RING) * QMK_GDN_CONV_DIM + ch] = xin[3 + i];
         }
-        const float y = mx_round_bf(mx_silu(mx_round_bf((float)acc)));
-        if (c < 2 * QMK_GDN_DK) sm.qk[i][c / QMK_GDN_DK][c % QMK_GDN_DK] = y;
-        else sm.v[i][c - 2 * QMK_GDN_DK] = y;
-        if (c >= 2 * QMK_GDN_DK || writes_qk)
-            ring[(size_t)((pos + i) % QMK_CONV_RING) * QMK_GDN_CONV_DIM + ch] = qkv[(size_t)i * QMK_GDN_CONV_DIM + ch];
     }
-    // A2: in_proj_a / in_proj_b rows j: per 128-column block a float64 dot (warp task). A warp issues the loads
-    // of up to MX_GDN_AB_BATCH tasks before reducing any, so their latencies overlap.
-    {
-        const int T = M * 2 * MX_GDN_NKB;
-        for (int t0 = warp; t0 < T; t0 += MX_GDN_AB_BATCH * MX_GDN_WARPS) {
-            uint2 wv[MX_GDN_AB_BATCH], xv[MX_GDN_AB_BATCH];
+    MX_GDN_STAMP(3);
+    // A2: in_proj_a / in_proj_b rows j: per 128-column block a float64 dot (the warp's K-blocks, weights in
+    // registers); a row's activation chunks are loaded together, its 2·KBPW warp sums run interleaved
+    for (int i = 0; i < M; ++i) {
+        uint2 xv[MX_GDN_KBPW];
 #pragma unroll
-            for (int u = 0; u < MX_GDN_AB_BATCH; ++u) {
-                const int t = t0 + u * MX_GDN_WARPS;
-                if (t < T) {
-                    const int i = t / (2 * MX_GDN_NKB), which = (t / MX_GDN_NKB) & 1, kb = t % MX_GDN_NKB;
-                    wv[u] = *reinterpret_cast<const uint2*>((which ? w_b : w_a) + (size_t)j * QMK_HIDDEN + kb * 128 + lane * 4);
-                    xv[u] = *reinterpret_cast<const uint2*>(hn + (size_t)i * QMK_HIDDEN + kb * 128 + lane * 4);
-                }
+        for (int u = 0; u < MX_GDN_KBPW; ++u) {
+            const int kb = warp + MX_GDN_WARPS * u;
+            xv[u] = *reinterpret_cast<const uint2*>(hn + (size_t)i * QMK_HIDDEN + (kb < MX_GDN_NKB ? kb : 0) * 128 + lane * 4);
+        }
+        double s[2 * MX_GDN_KBPW];  // [u][which]: the GEMV block dot, exact products summed in float64, rounded once
+#pragma unroll
+        for (int u = 0; u < MX_GDN_KBPW; ++u)
+#pragma unroll
+            for (int which = 0; which < 2; ++which) {
+                double d = 0.0;
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    d = __fma_rn((double)mx_u2_bf(pre.wab[which][u], e), (double)mx_u2_bf(xv[u], e), d);
+                s[2 * u + which] = d;
             }
+        mx_warp_sum_d_n<2 * MX_GDN_KBPW>(s);
+        if (lane == 0) {
 #pragma unroll
-            for (int u = 0; u < MX_GDN_AB_BATCH; ++u) {
-                const int t = t0 + u * MX_GDN_WARPS;  // uniform over the warp: the shuffles below stay converged
-                if (t < T) {
-                    const int i = t / (2 * MX_GDN_NKB), which = (t / MX_GDN_NKB) & 1, kb = t % MX_GDN_NKB;
-                    const mx_u16* w = reinterpret_cast<const mx_u16*>(&wv[u]);
-                    const mx_u16* x = reinterpret_cast<const mx_u16*>(&xv[u]);
-                    double s = 0.0;  // the GEMV block dot: exact products summed in float64, rounded once
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) s = __fma_rn((double)mx_bf2f(w[e]), (double)mx_bf2f(x[e]), s);
-                    s = mx_warp_sum_d(s);
-                    if (lane == 0) sm.ab[i][which][kb] = (float)s;
+            for (int u = 0; u < MX_GDN_KBPW; ++u) {
+                const int kb = warp + MX_GDN_WARPS * u;
+                if (kb < MX_GDN_NKB) {
+                    sm.ab[i][0][kb] = (float)s[2 * u];
+                    sm.ab[i][1][kb] = (float)s[2 * u + 1];
                 }
             }
         }
     }
+    if (zrow < M) {  // silu of the gate, off the tail; parked in shared memory with the norm weights
+        float4 f;
+        f.x = mx_silu(mx_u2_bf(zv, 0)); f.y = mx_silu(mx_u2_bf(zv, 1)); f.z = mx_silu(mx_u2_bf(zv, 2)); f.w = mx_silu(mx_u2_bf(zv, 3));
+        sm.zs[zrow][lane] = f;
+    }
+    if (warp == 0) {
+        float4 f;
+        f.x = mx_u2_bf(pre.nw, 0); f.y = mx_u2_bf(pre.nw, 1); f.z = mx_u2_bf(pre.nw, 2); f.w = mx_u2_bf(pre.nw, 3);
+        sm.zs[QMK_MAX_ROWS][lane] = f;
+    }
+    MX_GDN_STAMP(4);
     __syncthreads();
-    // A3: l2norm of q, k (fp32, HF v5: after the cast), q / sqrt(d_k); gates
+    MX_GDN_STAMP(5);
+    // A3: l2norm of q, k (fp32, HF v5: after the cast), q / sqrt(d_k); gates: decay on the last warp, beta on the
+    // one before (both after their l2norm task, if any), in parallel
     if (warp < 2 * M) {
         const int i = warp >> 1, which = warp & 1;
         float x[4];
@@ -158,49 +242,87 @@ __device__ void mx_gdn_step_head(const mx_u16* __restrict__ qkv, const mx_u16* _
             sm.qk[i][which][lane * 4 + e] = y;
         }
     }
-    if (warp == MX_GDN_WARPS - 1 && lane < M) {  // last warp (after its l2norm task, if it has one)
-        const int i = lane;
-        float a = 0.0f, b = 0.0f;
-        for (int kb = 0; kb < MX_GDN_NKB; ++kb) { a = __fadd_rn(a, sm.ab[i][0][kb]); b = __fadd_rn(b, sm.ab[i][1][kb]); }
+    if (warp >= MX_GDN_WARPS - 2 && lane < M) {
+        const int i = lane, which = warp == MX_GDN_WARPS - 1 ? 0 : 1;  // 0: a -> decay, 1: b -> beta
+        float a = 0.0f;
+        for (int kb = 0; kb < MX_GDN_NKB; ++kb) a = __fadd_rn(a, sm.ab[i][which][kb]);
         a = mx_round_bf(a);
-        b = mx_round_bf(b);
-        sm.beta[i] = mx_round_bf(mx_sigmoid(b));
-        const float A = -(float)exp((double)mx_bf2f(a_log[j]));
-        const float g = __fmul_rn(A, mx_softplus(__fadd_rn(a, mx_bf2f(dt_bias[j]))));
-        sm.decay[i] = (float)exp((double)g);
+        if (which == 1) {
+            sm.beta[i] = mx_round_bf(mx_sigmoid(a));
+        } else {
+            const float g = __fmul_rn(A, mx_softplus(__fadd_rn(a, mx_bf2f(pre.dtb))));
+            sm.decay[i] = (float)exp((double)g);
+        }
     }
     __syncthreads();
-    // B: the recurrence, row by row, state in registers
+    MX_GDN_STAMP(6);
+    // B: the recurrence, row by row, state in registers. The warp's CPW columns are independent: CH of them at a
+    // time run their S^T k sums interleaved, then their S^T q sums (per column: mx_dot4_lane, then the xor
+    // butterfly, whatever CH is: same bits)
     for (int i = 0; i < M; ++i) {
         const float4 k = *reinterpret_cast<const float4*>(&sm.qk[i][1][lane * 4]);
         const float4 q = *reinterpret_cast<const float4*>(&sm.qk[i][0][lane * 4]);
         const float dec = sm.decay[i], bt = sm.beta[i];
 #pragma unroll
-        for (int c = 0; c < MX_GDN_CPW; ++c) {
-            float4& s = S[c];
-            s.x = __fmul_rn(s.x, dec); s.y = __fmul_rn(s.y, dec); s.z = __fmul_rn(s.z, dec); s.w = __fmul_rn(s.w, dec);
-            const float kv = mx_dot4_warp(s, k);
-            const int col = warp * MX_GDN_CPW + c;
-            const float d = __fmul_rn(__fsub_rn(sm.v[i][col], kv), bt);
-            s.x = __fadd_rn(s.x, __fmul_rn(k.x, d)); s.y = __fadd_rn(s.y, __fmul_rn(k.y, d));
-            s.z = __fadd_rn(s.z, __fmul_rn(k.z, d)); s.w = __fadd_rn(s.w, __fmul_rn(k.w, d));
-            const float o = mx_dot4_warp(s, q);
-            if (lane == 0) sm.o[i][col] = mx_round_bf(o);
+        for (int c0 = 0; c0 < MX_GDN_CPW; c0 += CH) {
+            double t[CH];
+#pragma unroll
+            for (int c = 0; c < CH; ++c) {
+                float4& s = S[c0 + c];
+                s.x = __fmul_rn(s.x, dec); s.y = __fmul_rn(s.y, dec); s.z = __fmul_rn(s.z, dec); s.w = __fmul_rn(s.w, dec);
+                t[c] = mx_dot4_lane(s, k);
+            }
+            mx_warp_sum_d_n<CH>(t);
+#pragma unroll
+            for (int c = 0; c < CH; ++c) {
+                float4& s = S[c0 + c];
+                const int col = warp * MX_GDN_CPW + c0 + c;
+                const float d = __fmul_rn(__fsub_rn(sm.v[i][col], (float)t[c]), bt);
+                s.x = __fadd_rn(s.x, __fmul_rn(k.x, d)); s.y = __fadd_rn(s.y, __fmul_rn(k.y, d));
+                s.z = __fadd_rn(s.z, __fmul_rn(k.z, d)); s.w = __fadd_rn(s.w, __fmul_rn(k.w, d));
+                t[c] = mx_dot4_lane(s, q);
+            }
+            mx_warp_sum_d_n<CH>(t);
+            if (lane == 0) {
+#pragma unroll
+                for (int c = 0; c < CH; ++c) sm.o[i][warp * MX_GDN_CPW + c0 + c] = mx_round_bf((float)t[c]);
+            }
         }
     }
 #pragma unroll
     for (int c = 0; c < MX_GDN_CPW; ++c) *reinterpret_cast<float4*>(st + c * QMK_GDN_DK) = S[c];
+    MX_GDN_STAMP(7);
     __syncthreads();
-    // C: gated RMSNorm with z, one warp per row
+    MX_GDN_STAMP(8);
+    // C: gated RMSNorm with z, one warp per row (z and the weights parked in shared memory above)
     if (warp < M) {
         const int i = warp;
         const size_t base = (size_t)i * QMK_GDN_VALUE_DIM + (size_t)j * QMK_GDN_DV + lane * 4;
-        float x[4], zz[4];
+        const float4 zr = sm.zs[i][lane], wr = sm.zs[QMK_MAX_ROWS][lane];
+        const float sz[4] = {zr.x, zr.y, zr.z, zr.w}, wn[4] = {wr.x, wr.y, wr.z, wr.w};
+        float x[4];
         mx_u16 y[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) { x[e] = sm.o[i][lane * 4 + e]; zz[e] = mx_bf2f(z[base + e]); }
-        mx_head_norm_gated<4>(x, zz, norm_w, y);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) out[base + e] = y[e];
+        for (int e = 0; e < 4; ++e) x[e] = sm.o[i][lane * 4 + e];
+        mx_head_norm_gated_w<4>(x, sz, wn, y);
+        uint2 yv;
+        yv.x = (unsigned)y[0] | ((unsigned)y[1] << 16);
+        yv.y = (unsigned)y[2] | ((unsigned)y[3] << 16);
+        *reinterpret_cast<uint2*>(out + base) = yv;
     }
+    MX_GDN_STAMP(9);
+}
+
+// The whole step of value head j (prefetch, then the step, one column's sums at a time): the megakernel's form.
+// Weights as mx_gdn_prefetch, the rest as above.
+__device__ __forceinline__ void mx_gdn_step_head(const mx_u16* __restrict__ qkv, const mx_u16* __restrict__ z,
+                                                 const mx_u16* __restrict__ hn, const mx_u16* __restrict__ w_a,
+                                                 const mx_u16* __restrict__ w_b, const mx_u16* __restrict__ a_log,
+                                                 const mx_u16* __restrict__ dt_bias, const mx_u16* __restrict__ conv_w,
+                                                 const mx_u16* __restrict__ norm_w, mx_u16* __restrict__ ring,
+                                                 float* __restrict__ state, mx_u16* __restrict__ out, int pos, int M,
+                                                 int j, MxGdnSmem& sm) {
+    MxGdnPre pre;
+    mx_gdn_prefetch(w_a, w_b, a_log, dt_bias, conv_w, norm_w, j, pre);
+    mx_gdn_step_head_pre<1>(qkv, z, hn, ring, state, out, pos, M, j, pre, sm);
 }

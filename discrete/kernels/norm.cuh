@@ -56,6 +56,17 @@ __device__ __forceinline__ double mx_warp_sum_d(double v) {
     return v;
 }
 
+// N independent xor-butterfly sums run interleaved (their latencies overlap); each value sees exactly the adds of
+// mx_warp_sum_d, in the same order, so the bits are the same.
+template <int N>
+__device__ __forceinline__ void mx_warp_sum_d_n(double (&v)[N]) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+        for (int n = 0; n < N; ++n) v[n] = __dadd_rn(v[n], __shfl_xor_sync(0xffffffffu, v[n], o));
+    }
+}
+
 __device__ __forceinline__ float mx_warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -127,12 +138,12 @@ __device__ __forceinline__ void mx_head_norm1pw(const float (&v)[PER], const mx_
 }
 
 // ---------------------------------------------------------------- gated form (GDN output), one warp
-// One value head of 32*PER elements: x (bf16 core output, as fp32), z (bf16 gate, as fp32), plain weight
-// w [32*PER] bf16; lane l owns elements [l*PER, (l+1)*PER). Same sum order as above.
+// One value head of 32*PER elements: x (bf16 core output, as fp32), sz = mx_silu of the bf16 gate z (fp32), the
+// plain weights w of the lane's elements (bf16 values as fp32); lane l owns elements [l*PER, (l+1)*PER). Same sum
+// order as above.
 template <int PER>
-__device__ __forceinline__ void mx_head_norm_gated(const float (&x)[PER], const float (&z)[PER],
-                                                   const mx_u16* __restrict__ w, mx_u16 (&out)[PER]) {
-    const int lane = threadIdx.x & 31;
+__device__ __forceinline__ void mx_head_norm_gated_w(const float (&x)[PER], const float (&sz)[PER],
+                                                     const float (&w)[PER], mx_u16 (&out)[PER]) {
     double s = 0.0;
 #pragma unroll
     for (int i = 0; i < PER; ++i) s = __fma_rn((double)x[i], (double)x[i], s);
@@ -140,7 +151,21 @@ __device__ __forceinline__ void mx_head_norm_gated(const float (&x)[PER], const 
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
         const float n = mx_round_bf(__fmul_rn(x[i], rstd));
-        const float wn = mx_round_bf(__fmul_rn(mx_bf2f(w[lane * PER + i]), n));
-        out[i] = mx_f2bf(__fmul_rn(wn, mx_silu(z[i])));
+        const float wn = mx_round_bf(__fmul_rn(w[i], n));
+        out[i] = mx_f2bf(__fmul_rn(wn, sz[i]));
     }
+}
+
+// The same with the weights read from w [32*PER] bf16 (lane l's at l*PER ..).
+template <int PER>
+__device__ __forceinline__ void mx_head_norm_gated(const float (&x)[PER], const float (&z)[PER],
+                                                   const mx_u16* __restrict__ w, mx_u16 (&out)[PER]) {
+    const int lane = threadIdx.x & 31;
+    float wv[PER], sz[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        wv[i] = mx_bf2f(w[lane * PER + i]);
+        sz[i] = mx_silu(z[i]);
+    }
+    mx_head_norm_gated_w<PER>(x, sz, wv, out);
 }
