@@ -182,11 +182,11 @@ class Gemv:
         _allow_smem(raw, self.smem + xs_max)
         self.pdl = bool(pdl)
         self._partial = Kernel(raw, self.pdl, f"{name}.partial")
-        # M = 1 (decode): the fp8 kernels' *_m1 build (M fixed at compile time, shared-memory ring of M1_RING)
+        # M = 1 (decode): the fp8 kernels' builds with M fixed at compile time. Kind "tma" (*_m1t1 / *_m1t2, the
+        # TMA ring) for warp tasks of >= TMA_MIN_UNITS K-blocks and <= TMA_WARPS tasks per slice, "reg" (*_m1r,
+        # the register-ring tile) otherwise; QMK_GEMV_M1 (benchmarks, tests): 0 = the general kernel, 1 = the
+        # cp.async ring (*_m1, M1_RING slots), 2 = reg, 3 = tma, -1 (default) = the rule
         self._partial_m1 = None
-        # M = 1 kernel: "tma" (*_m1t1 / *_m1t2) for warp tasks of >= TMA_MIN_UNITS K-blocks, "reg" (*_m1r)
-        # otherwise; QMK_GEMV_M1 (benchmarks, tests): 0 = the general kernel, 1 = the cp.async ring (*_m1),
-        # 2 = reg, 3 = tma, -1 (default) = the rule
         m1_knob = int((defines or {}).get("QMK_GEMV_M1", -1))
         units = (K // 128) // self.split
         self.m1_kind = None if not self.fp8 or m1_knob == 0 else \

@@ -125,8 +125,8 @@ __device__ void mx_attn_prep(const mx_u16* __restrict__ qg, const mx_u16* __rest
 // ---------------------------------------------------------------- scores + per-partition stats
 // Block (p, h), NT threads. scores [M, NQ, cap] bf16; stats_m/stats_l [M, NQ, P] fp32.
 // Every score is s = bf16(bf16(fp32(Σ_d q_d·k_d)) · scale): lane l holds dims 8l..8l+7, its 8 exact products are
-// summed in float64 in dim order, the warp's lanes by mx_warp_sum_d's butterfly (the G heads' butterflies of a key
-// interleaved: same adds, same order), rounded once. HOIST (the discrete kernel, 256 threads, registers to spare):
+// summed in float64 in dim order, the warp's lanes by mx_warp_sum_d's butterfly (HOIST: the G heads' butterflies of
+// a key interleaved, same adds in the same order), rounded once. HOIST (the discrete kernel, 256 threads, registers to spare):
 // a row's queries are widened to float64 once and held in registers, rows outer, keys inner; otherwise (the
 // megakernel's 128-register budget) keys outer, rows inner, queries widened per key. Same bits either way.
 template <int NT, bool HOIST>
@@ -136,12 +136,13 @@ __device__ __forceinline__ void mx_attn_scores_t(const mx_u16* __restrict__ q_in
                                                  float* __restrict__ stats_l, int pos, int M, int p, int h) {
     constexpr int NW = NT / 32, KB = HOIST ? MX_KB_HOIST : MX_KB;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    auto store = [&](const double (&t)[MX_G], int i, int j) {  // lane g stores head g's score of key j, row i
+    auto store = [&](const double (&t)[MX_G], int i, int j) {  // lane g < G stores head g's score of key j, row i
+        double v = t[0];
 #pragma unroll
-        for (int g = 0; g < MX_G; ++g)
-            if (lane == g)
-                scores[((size_t)i * QMK_N_Q_HEADS + h * MX_G + g) * cap + j] =
-                    mx_f2bf(__fmul_rn(mx_round_bf((float)t[g]), QMK_ATTN_SCALE));
+        for (int g = 1; g < MX_G; ++g) v = lane == g ? t[g] : v;  // selects, no branch
+        if (lane < MX_G)
+            scores[((size_t)i * QMK_N_Q_HEADS + h * MX_G + lane) * cap + j] =
+                mx_f2bf(__fmul_rn(mx_round_bf((float)v), QMK_ATTN_SCALE));
     };
     if (HOIST) {
         for (int i = 0; i < M; ++i) {
@@ -216,9 +217,8 @@ __device__ __forceinline__ void mx_attn_scores_t(const mx_u16* __restrict__ q_in
                         double sd = 0.0;
 #pragma unroll
                         for (int e = 0; e < 8; ++e) sd = __fma_rn((double)mx_bf2f(qp[e]), (double)kf[e], sd);
-                        t[g] = sd;
+                        t[g] = mx_warp_sum_d(sd);  // one head at a time (registers)
                     }
-                    mx_warp_sum_d_n<MX_G>(t);
                     store(t, i, j);
                 }
             }

@@ -190,26 +190,24 @@ __device__ __forceinline__ void mx_gdn_step_head_pre(const mx_u16* __restrict__ 
             const int kb = warp + MX_GDN_WARPS * u;
             xv[u] = *reinterpret_cast<const uint2*>(hn + (size_t)i * QMK_HIDDEN + (kb < MX_GDN_NKB ? kb : 0) * 128 + lane * 4);
         }
-        double s[2 * MX_GDN_KBPW];  // [u][which]: the GEMV block dot, exact products summed in float64, rounded once
+        constexpr int NS = CH > 1 ? 2 * MX_GDN_KBPW : 1;  // warp sums interleaved at once
 #pragma unroll
-        for (int u = 0; u < MX_GDN_KBPW; ++u)
+        for (int v0 = 0; v0 < 2 * MX_GDN_KBPW; v0 += NS) {
+            double s[NS];  // value v = 2u + which: the GEMV block dot, exact products summed in float64, rounded once
 #pragma unroll
-            for (int which = 0; which < 2; ++which) {
+            for (int n = 0; n < NS; ++n) {
+                const int u = (v0 + n) >> 1, which = (v0 + n) & 1;
                 double d = 0.0;
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
                     d = __fma_rn((double)mx_u2_bf(pre.wab[which][u], e), (double)mx_u2_bf(xv[u], e), d);
-                s[2 * u + which] = d;
+                s[n] = d;
             }
-        mx_warp_sum_d_n<2 * MX_GDN_KBPW>(s);
-        if (lane == 0) {
+            mx_warp_sum_d_n<NS>(s);
 #pragma unroll
-            for (int u = 0; u < MX_GDN_KBPW; ++u) {
-                const int kb = warp + MX_GDN_WARPS * u;
-                if (kb < MX_GDN_NKB) {
-                    sm.ab[i][0][kb] = (float)s[2 * u];
-                    sm.ab[i][1][kb] = (float)s[2 * u + 1];
-                }
+            for (int n = 0; n < NS; ++n) {
+                const int u = (v0 + n) >> 1, which = (v0 + n) & 1, kb = warp + MX_GDN_WARPS * u;
+                if (lane == 0 && kb < MX_GDN_NKB) sm.ab[i][which][kb] = (float)s[n];
             }
         }
     }

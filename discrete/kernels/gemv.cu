@@ -213,7 +213,7 @@ gemv_fp8_norm_partial_m1t1(const qmk_u8* __restrict__ W, const qmk_u16* __restri
                            const QmkGemvSlice* __restrict__ slices, float* P, int ring, int epi,
                            const qmk_u16* resid, qmk_u16* out, unsigned int* counters, const void* tmap, int na) {
     gemv_fp8_norm_partial_tma_body<1>(scale, x, nw, xn_out, xs_off, M, N, K, S, slices, P, ring, epi, resid, out,
-                                        counters, tmap, na);
+                                      counters, tmap, na);
 }
 extern "C" __global__ void __launch_bounds__(32 * QMK_GEMV_TMA_WARPS, 1)
 gemv_fp8_norm_partial_m1t2(const qmk_u8* __restrict__ W, const qmk_u16* __restrict__ scale, const qmk_u16* x,
@@ -221,7 +221,7 @@ gemv_fp8_norm_partial_m1t2(const qmk_u8* __restrict__ W, const qmk_u16* __restri
                            const QmkGemvSlice* __restrict__ slices, float* P, int ring, int epi,
                            const qmk_u16* resid, qmk_u16* out, unsigned int* counters, const void* tmap, int na) {
     gemv_fp8_norm_partial_tma_body<2>(scale, x, nw, xn_out, xs_off, M, N, K, S, slices, P, ring, epi, resid, out,
-                                        counters, tmap, na);
+                                      counters, tmap, na);
 }
 
 // gemv_bf16_partial on RMSNorm(x; nw), arguments and shared memory as gemv_fp8_norm_partial.
