@@ -34,7 +34,7 @@ qmk_attn_values(const mx_u16* __restrict__ kv, const int* __restrict__ page_tabl
                 const float* __restrict__ stats_l, float* __restrict__ partial, const int* __restrict__ pos_ptr,
                 int M) {
     qmk_pdl_enter();  // PDL: successor may be scheduled; wait for the predecessor (pdl.cuh)
-    __shared__ MxAttnValSmem sm;
+    __shared__ MxAttnValSmemWide sm;
     mx_attn_values(kv, page_table, page_stride, scores, cap, stats_m, stats_l, partial, *pos_ptr, M, blockIdx.x,
                    blockIdx.y, sm);
 }

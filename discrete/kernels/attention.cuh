@@ -256,17 +256,27 @@ __device__ void mx_attn_scores(const mx_u16* __restrict__ q_in, const mx_u16* __
 }
 
 // ---------------------------------------------------------------- values: p_j under global (M, L), p.V
-struct MxAttnValSmem {
+// PT: how the tile of p_j (bf16 values) is held: double (the discrete kernel: widened once per tile, 24 KB) or
+// mx_u16 (the megakernel: 6 KB, widened at each use; its shared memory is also its L1's). Same values either way.
+template <typename PT>
+struct MxAttnValSmemT {
     float gmax[QMK_MAX_ROWS][MX_G], gsum[QMK_MAX_ROWS][MX_G];
     double red[MX_G][MX_HD];                   // key-group combine of the float64 partial sums
-    double pt[MX_RB][MX_G][MX_TILE];           // p_j (bf16 values), widened once per tile
+    PT pt[MX_RB][MX_G][MX_TILE];
 };
+typedef MxAttnValSmemT<mx_u16> MxAttnValSmem;      // the megakernel's
+typedef MxAttnValSmemT<double> MxAttnValSmemWide;  // the discrete kernel's
+__device__ __forceinline__ void mx_pt_put(double& d, float pv) { d = (double)mx_round_bf(pv); }
+__device__ __forceinline__ void mx_pt_put(mx_u16& d, float pv) { d = mx_f2bf(pv); }
+__device__ __forceinline__ double mx_pt_get(double d) { return d; }
+__device__ __forceinline__ double mx_pt_get(mx_u16 d) { return (double)mx_bf2f(d); }
 
 // Block (p, h). partial [M, NQ, P, HD] fp32 (written for the non-empty partitions of each row only).
+template <typename PT>
 __device__ void mx_attn_values(const mx_u16* __restrict__ kv, const int* __restrict__ page_table,
                                long long page_stride, const mx_u16* __restrict__ scores, int cap,
                                const float* __restrict__ stats_m, const float* __restrict__ stats_l,
-                               float* __restrict__ partial, int pos, int M, int p, int h, MxAttnValSmem& sm) {
+                               float* __restrict__ partial, int pos, int M, int p, int h, MxAttnValSmemT<PT>& sm) {
     const int tid = threadIdx.x;
     // merge the partition stats: one warp per (row, query head), lane l holding partitions l, l + 32, ... (loads
     // and float64 exps in parallel); M = their max (exact in any order); L = fp32 sum in partition order, from 0
@@ -332,7 +342,7 @@ __device__ void mx_attn_values(const mx_u16* __restrict__ kv, const int* __restr
                     const float s = mx_bf2f(scores[((size_t)i * QMK_N_Q_HEADS + qh) * cap + j]);
                     pv = __fdiv_rn(mx_exp_f(__fsub_rn(s, sm.gmax[i][g])), sm.gsum[i][g]);
                 }
-                sm.pt[a][g][jj] = (double)mx_round_bf(pv);
+                mx_pt_put(sm.pt[a][g][jj], pv);
             }
             __syncthreads();
             const int tend = min(t0 + MX_TILE, hi);
@@ -354,7 +364,7 @@ __device__ void mx_attn_values(const mx_u16* __restrict__ kv, const int* __restr
                         if (j < rr[a].lo || j >= rr[a].hi) continue;
 #pragma unroll
                         for (int g = 0; g < MX_G; ++g) {
-                            const double pv = sm.pt[a][g][j - t0];
+                            const double pv = mx_pt_get(sm.pt[a][g][j - t0]);
                             acc[a][g][0] = __fma_rn(pv, v0, acc[a][g][0]);
                             acc[a][g][1] = __fma_rn(pv, v1, acc[a][g][1]);
                         }
