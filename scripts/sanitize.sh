@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # compute-sanitizer memcheck and racecheck over the tiny-preset megakernel and discrete-step GPU tests, on the
 # lent H200 (the device tool sets $OUT). Each tool's summary goes to $OUT/sanitize_<tool>_<what>.txt.
-# Usage: bash scripts/sanitize.sh [memcheck-mk|memcheck-step|racecheck-mk|synccheck-mk|memcheck-gemv|racecheck-gemv ...]
+# Usage: bash scripts/sanitize.sh [memcheck-mk|memcheck-step|racecheck-mk|synccheck-mk|memcheck-gemv|racecheck-gemv|
+#        memcheck-mixers|racecheck-mixers ...]
 # (default: the four megakernel / step runs, ≤ 8 min; each run is time-boxed). The *-gemv runs cover the M = 1 GEMV
-# kernels (cp.async ring, register tile, TMA ring: mbarriers, async-proxy shared-memory writes) on the tiny shapes.
+# kernels (cp.async ring, register tile, TMA ring: mbarriers, async-proxy shared-memory writes) on the tiny shapes;
+# the *-mixers runs the GDN step and the four attention kernels on the tiny shapes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?run this on the device machine (OUT unset)}"
@@ -29,7 +31,9 @@ for r in "${runs[@]}"; do
         -k "test_m1_greedy_64_steps_bit_identical and program" ;;
     memcheck-gemv) san memcheck gemv 120 tests/gpu/test_gemv.py -k "test_m1_kernels_bit_identical and tiny" ;;
     racecheck-gemv) san racecheck gemv 120 tests/gpu/test_gemv.py -k "test_m1_kernels_bit_identical and tiny" ;;
+    memcheck-mixers) san memcheck mixers 100 tests/gpu/test_gdn.py tests/gpu/test_attention.py -k "tiny" ;;
+    racecheck-mixers) san racecheck mixers 100 tests/gpu/test_gdn.py tests/gpu/test_attention.py -k "tiny and multirow" ;;
     *) echo "sanitize.sh: unknown run $r (memcheck-mk memcheck-step racecheck-mk synccheck-mk memcheck-gemv" \
-            "racecheck-gemv)"; exit 2 ;;
+            "racecheck-gemv memcheck-mixers racecheck-mixers)"; exit 2 ;;
     esac
 done
