@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -236,8 +237,9 @@ class Checkpoint:
             if listed is not None:
                 absent, unlisted = sorted(listed - set(header)), sorted(set(header) - listed)
                 if absent:
-                    raise CheckpointError(f"{root / INDEX_FILE}: tensor {absent[0]!r} is mapped to {f.name}, which "
-                                          f"does not hold it ({len(absent)} such tensor(s))")
+                    raise CheckpointError(f"{root / INDEX_FILE}: tensor {absent[0]!r} is mapped to "
+                                          f"{f.relative_to(root)}, which does not hold it ({len(absent)} such "
+                                          "tensor(s))")
                 if unlisted:
                     raise CheckpointError(f"{f}: tensor {unlisted[0]!r} is not listed in {INDEX_FILE}")
             for s, (dt, shape, b, e) in header.items():
@@ -245,8 +247,8 @@ class Checkpoint:
                 if c is None:
                     continue
                 if c in entries:
-                    raise CheckpointError(f"{f}: tensor {s!r} duplicates {entries[c][1]!r} in {entries[c][0].name} "
-                                          f"(both are {c!r})")
+                    raise CheckpointError(f"{f}: tensor {s!r} duplicates {entries[c][1]!r} in "
+                                          f"{entries[c][0].relative_to(root)} (both are {c!r})")
                 entries[c] = (f, s, dt, shape, b, e)
         ck = cls(root, cfg, entries)
         if validate:
@@ -255,9 +257,10 @@ class Checkpoint:
 
     def validate(self) -> None:
         """Check names, shapes, dtypes, scale pairing and scale values against the config. Raises
-        CheckpointError on the first problem: unexpected or unused tensors first, then the expected tensors in
-        model order."""
+        CheckpointError on the first problem: config.json's quantisation against the shards first (see
+        :meth:`_check_quantization`), then unexpected or unused tensors, then the expected tensors in model order."""
         want = expected_tensors(self.config)
+        self._check_quantization(want)
         for c, (f, s, dt, shape, _, _) in self._entries.items():
             if c in want:
                 continue
@@ -290,6 +293,41 @@ class Checkpoint:
                     raise CheckpointError(f"{f}: scale tensor {s!r} holds {int(bad.sum())} non-finite value(s), "
                                           f"first {v[i]} at block {i}; expected finite scales")
 
+    def _check_quantization(self, want: dict[str, tuple[tuple[int, ...], str]]) -> None:
+        """Raise CheckpointConfigError naming config.json when its quantisation does not fit: fp8 tensors in the
+        shards but no ``quantization_config`` (else every fp8 weight or scale would be blamed on its shard), or a
+        ``modules_to_not_convert`` entry naming a module the engine loads as fp8 (HF and vLLM would load that one
+        unquantised). An entry matches a module by its full name (stored or canonical), a parent module or a
+        dotted suffix (``gate_proj``, as short lists write it); the real list names only bf16 modules (spec §1.2)."""
+        cj = self.path / "config.json"
+        if self.config.quant_method is None:
+            fp8 = [(f, s) for f, s, dt, *_ in self._entries.values() if dt.name == FP8]
+            if fp8:
+                scales = sum(s.endswith(SCALE_SUFFIX) for _, s, *_ in self._entries.values())
+                f, s = fp8[0]
+                raise CheckpointConfigError(
+                    f"{cj}: 'quantization_config' is missing but the shards hold fp8 e4m3 weights ({len(fp8)} F8_E4M3 "
+                    f"tensor(s), {scales} weight{SCALE_SUFFIX} tensor(s), e.g. {s!r} in {f.relative_to(self.path)}); "
+                    "expected an fp8 quantization_config (quant_method 'fp8', fmt 'e4m3', weight_block_size "
+                    "[128, 128]), or bfloat16 weights without one")
+            return
+        names: dict[str, str] = {}  # every name an entry could give an fp8 module -> the module's stored name
+        for c, (_, dtn) in want.items():
+            if dtn == FP8:
+                m = c[: -len(".weight")]
+                sm = stored_name(self.config, m)
+                for parts in (m.split("."), sm.split(".")):
+                    for i in range(1, len(parts) + 1):
+                        names.setdefault(".".join(parts[:i]), sm)
+                        names.setdefault(".".join(parts[-i:]), sm)
+        hits = [e for e in self.config.modules_to_not_convert if e in names]
+        if hits:
+            raise CheckpointConfigError(
+                f"{cj}: config field 'quantization_config.modules_to_not_convert' lists {hits[0]!r}, which covers "
+                f"{names[hits[0]]!r} ({len(hits)} such entr{'y' if len(hits) == 1 else 'ies'}); the engine loads that "
+                "module as fp8 e4m3 with 128x128 block scales: expected only bfloat16 modules (embeddings, norms, "
+                "lm_head, in_proj_a/b, conv1d, mtp.fc, vision)")
+
 
 def _shard_files(root: Path) -> dict[Path, set[str] | None]:
     """Shard path -> stored names the index maps to it (None for a single-file checkpoint without an index).
@@ -298,21 +336,25 @@ def _shard_files(root: Path) -> dict[Path, set[str] | None]:
     there, else the checkpoint is incomplete (a ``qwen-mk make-checkpoint --max-shards`` write, an interrupted
     download) and the error lists the absent files. Without an index the directory must hold exactly one
     ``*.safetensors`` file (``model.safetensors``, or e.g. ``model-00001-of-00001.safetensors``): its header is
-    the tensor map. Several files without an index are refused (which file holds what is the index's job)."""
+    the tensor map (hidden files, e.g. macOS ``._*`` copies, are not counted). Several files without an index are
+    refused (which file holds what is the index's job). An index entry that leaves the directory is refused."""
     idx = root / INDEX_FILE
     if idx.is_file():
         try:
             index = json.loads(idx.read_text())
             wm = index["weight_map"]
             files: dict[Path, set[str]] = {}
+            written: dict[Path, str] = {}  # shard path -> its entry as the index writes it (for messages)
             for name, fn in wm.items():
-                files.setdefault(root / fn, set()).add(name)
+                f = _index_entry(root, idx, name, fn)
+                files.setdefault(f, set()).add(name)
+                written.setdefault(f, fn)
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{idx}: expected a JSON object with a 'weight_map' object of tensor name -> "
                                   f"shard file name ({e!r})") from None
         absent = sorted(f for f in files if not f.is_file())
         if absent:
-            listed = "; ".join(f"{f.name} ({len(files[f])} tensor(s), e.g. {sorted(files[f])[0]!r})"
+            listed = "; ".join(f"{written[f]} ({len(files[f])} tensor(s), e.g. {sorted(files[f])[0]!r})"
                                for f in absent[:4]) + (f"; and {len(absent) - 4} more" if len(absent) > 4 else "")
             meta = index.get("metadata") if isinstance(index, dict) else None
             partial = meta.get(PARTIAL_KEY) if isinstance(meta, dict) else None
@@ -321,7 +363,7 @@ def _shard_files(root: Path) -> dict[Path, set[str] | None]:
                 f"{'is' if len(absent) == 1 else 'are'} missing: {listed}"
                 + (f" (a partial write: {partial})" if partial else ""))
         return dict(files)
-    found = sorted(p for p in root.glob("*.safetensors") if p.is_file())
+    found = sorted(p for p in root.glob("*.safetensors") if p.is_file() and not p.name.startswith("."))
     if len(found) == 1:
         return {found[0]: None}
     if not found:
@@ -331,3 +373,19 @@ def _shard_files(root: Path) -> dict[Path, set[str] | None]:
     raise CheckpointError(f"{root}: {len(found)} *.safetensors files ({names}) but no {INDEX_FILE}: a checkpoint of "
                           f"several shards needs its index (tensor name -> shard file); without one exactly one "
                           "*.safetensors file is expected")
+
+
+def _index_entry(root: Path, idx: Path, name: str, fn: str) -> Path:
+    """Path of the shard the index maps tensor ``name`` to (entry ``fn``, relative to ``root``). Raises
+    CheckpointError naming the index and the entry as written when it leaves ``root``: absolute, ``..`` past the
+    top, or through a symlinked directory. A symlinked shard file is followed (HF's hub cache links every file
+    to its blob store); a subdirectory inside ``root`` is allowed."""
+    p = root / fn  # TypeError for a non-string entry: the caller's malformed-index error
+    norm = os.path.normpath(fn)
+    real = os.path.realpath(os.path.dirname(os.path.join(root, fn)))
+    top = os.path.realpath(root)
+    if os.path.isabs(fn) or norm == os.pardir or norm.startswith(os.pardir + os.sep) or \
+            os.path.commonpath([real, top]) != top:
+        raise CheckpointError(f"{idx}: tensor {name!r} is mapped to {fn!r}, which is outside the checkpoint "
+                              f"directory {root}; expected a shard file name relative to it")
+    return p

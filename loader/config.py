@@ -4,7 +4,8 @@ Parsed from a checkpoint's ``config.json`` (multimodal layout with the text fiel
 ``text_config`` and a top-level ``quantization_config``, or the text-only layout with fields at the
 top level). Field meanings and the real values: ``shared/spec/qwen35-checkpoint.md`` §1. A ``dtype`` /
 ``torch_dtype`` must be ``bfloat16``; a ``quantization_config`` must be fp8 e4m3 with 128×128 blocks (its absent
-keys take those values; no quantization_config at all = the all-bf16 release).
+keys take those values; no quantization_config at all = the all-bf16 release); its ``modules_to_not_convert`` is
+kept for the checkpoint loader, which refuses one naming a module the engine loads as fp8.
 
 Presets: ``qwen3.5-27b`` (the real dimensions) and ``tiny`` (same structure, small; the real
 248,320-row vocabulary and special-token ids; every fp8 matrix dimension a multiple of 128).
@@ -80,6 +81,9 @@ class ModelConfig:
     quant_fmt: str = "e4m3"
     weight_block_size: tuple[int, int] = (128, 128)
     activation_scheme: str = "dynamic"
+    # quantization_config.modules_to_not_convert as written (full dotted names; the loader checks that none of
+    # them is a module it loads as fp8); not part of the model's identity
+    modules_to_not_convert: tuple[str, ...] = field(default=(), compare=False, repr=False)
     # True when the checkpoint uses the multimodal prefix model.language_model.*
     multimodal: bool = True
     name: str = "custom"
@@ -94,6 +98,7 @@ class ModelConfig:
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
         object.__setattr__(self, "weight_block_size", tuple(self.weight_block_size))
+        object.__setattr__(self, "modules_to_not_convert", tuple(self.modules_to_not_convert))
 
         def need(cond: bool, fld: str, msg: str) -> None:
             if not cond:
@@ -436,6 +441,14 @@ def _parse_fields(cfg: dict, text: dict, source: str) -> dict[str, Any]:
                               f"(128x128 block scales; per-tensor or per-channel fp8 is not implemented), got {wbs!r}")
         kw["weight_block_size"] = tuple(wbs)
         kw["activation_scheme"] = q.get("activation_scheme", "dynamic")
+        keep = q.get("modules_to_not_convert")
+        if keep is not None:
+            bad = [m for m in keep if not isinstance(m, str)] if isinstance(keep, list) else [keep]
+            if bad:
+                got = f"entry {bad[0]!r}" if isinstance(keep, list) else f"a JSON {_json_kind(keep)}"
+                raise ConfigError(f"{source}: config field 'quantization_config.modules_to_not_convert': expected a "
+                                  f"list of module names (strings), got {got}")
+            kw["modules_to_not_convert"] = tuple(keep)
     return kw
 
 
