@@ -276,6 +276,7 @@ class _OneShotRun:
     def __next__(self):
         if self.inner is None:
             self.s = self.engine.new_session()  # EngineError when every slot is taken: still unstarted
+            self.s.oneshot = True               # closed with the run: an interrupt keeps nothing of it
             self.inner = self.s._loop(self.g, *self.job)
         try:
             d = next(self.inner)

@@ -17,9 +17,11 @@ class EmptyPrompt(EngineError):
 
 
 class PromptTooLong(EngineError):
-    """The prompt alone has more tokens than the session holds (``Session.capacity``: the executor's capacity, at
-    most the model's context). A prompt that fits but leaves less room than ``max_new_tokens`` is not an error:
-    the generation ends early with finish_reason ``length``, finish_detail ``capacity``."""
+    """The prompt leaves no room for a reply in the session (``Session.capacity``: the executor's capacity, at
+    most the model's context): it has as many tokens or more, refused as vLLM refuses a prompt of max_model_len
+    tokens or more (prompt + generated <= max_model_len, at least one token generated). A prompt that leaves
+    less room than ``max_new_tokens`` is not an error: the generation ends early with finish_reason ``length``,
+    finish_detail ``capacity``."""
 
     exit_code = 4
 
@@ -33,7 +35,7 @@ class InvalidTokenId(EngineError):
 class InvalidArgument(EngineError):
     """An argument of the Python API or the CLI that is of the wrong type, out of range or inconsistent with the
     engine, raised before any work: a sampling parameter (``SamplingParams``: temperature < 0, top_k < 0, top_p
-    outside (0, 1], seed < 0); ``max_new_tokens`` < 1 or above the session capacity / model context
+    outside (0, 1], seed < 0); ``max_new_tokens`` < 1 or not below the session capacity / model context
     (``host.sampling.check_generation_args``); an empty stop string; an unknown executor name; a ``capacity``
     that is not positive, exceeds the model's context or does not fit in host / GPU memory; ``slots`` < 1; a
     ``path_or_preset`` that is not a str / Path; a ``chat`` conversation that is not a list of messages or that
@@ -56,7 +58,8 @@ class ExecutorUnavailable(EngineError):
 
 
 class GenerationInterrupted(EngineError):
-    """A generation stopped by KeyboardInterrupt; the session stays usable (its state is rolled back)."""
+    """A generation stopped by KeyboardInterrupt. A session from ``Engine.new_session()`` stays usable (its state
+    is rolled back); a one-shot ``Engine.generate`` / ``chat`` keeps nothing of it (its session is closed)."""
 
     exit_code = 130
 

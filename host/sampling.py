@@ -20,7 +20,7 @@ from assembler.ref import ops
 from host.errors import IgnoredArgumentWarning, InvalidArgument
 from loader.config import FIRST_PADDING_ID
 
-DEFAULT_MAX_NEW_TOKENS = 256  # max_new_tokens when not given (API and CLI), lowered to a smaller capacity
+DEFAULT_MAX_NEW_TOKENS = 256  # max_new_tokens when not given (API and CLI), lowered to a smaller capacity - 1
 _HOST_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
@@ -55,18 +55,19 @@ def check_generation_args(params: SamplingParams, max_new_tokens: int | None, ca
                           cli: bool = False) -> int:
     """The checks of generation arguments that ``Session.generate`` (so ``Engine.generate`` / ``chat``) and the
     CLI's ``generate`` / ``chat`` (before the model loads) share. Returns ``max_new_tokens``, or for None
-    DEFAULT_MAX_NEW_TOKENS lowered to ``capacity`` (and ``context``) when smaller.
+    DEFAULT_MAX_NEW_TOKENS lowered to ``capacity`` - 1 (and ``context`` - 1) when smaller.
 
     ``capacity``: the tokens a session holds, prompt and reply together (``Engine.load(capacity=)``,
     ``--capacity``); ``context``: the model's max_position_embeddings, None where not known yet (the CLI's
     ``--model DIR`` before loading); ``context_of`` says in the message where ``context`` comes from; ``cli``:
     messages name CLI flags (``--capacity``) instead of Python arguments.
 
-    Raises InvalidArgument when ``max_new_tokens`` is not an integer >= 1, exceeds ``context`` or exceeds
-    ``capacity`` (a ``capacity`` < 1 is left to ``Engine.load``'s check). The rule is max_new_tokens <= capacity,
-    not vLLM's prompt + max_tokens <= max_model_len: a session's prompt is the whole conversation (earlier turns
-    included), unknown to the CLI before the model loads, and a reply that fills the session ends with
-    finish_reason ``length``, finish_detail ``capacity``.
+    Raises InvalidArgument when ``max_new_tokens`` is not an integer >= 1 or exceeds ``context`` - 1 or
+    ``capacity`` - 1 (a ``capacity`` < 1 is left to ``Engine.load``'s check). The arithmetic is vLLM's prompt +
+    generated <= max_model_len (the session loop's too) with the shortest prompt, one token: the prompt itself is
+    not counted here, since a session's prompt is the whole conversation (earlier turns included), unknown to the
+    CLI before the model loads, and a reply that fills the session ends with finish_reason ``length``,
+    finish_detail ``capacity``.
 
     Warns (``warnings.warn``, IgnoredArgumentWarning naming the arguments, attributed to the first caller outside
     ``host/``) when decoding is greedy (temperature 0) and top_k (other than 0 = off), top_p (other than 1.0 =
@@ -74,18 +75,21 @@ def check_generation_args(params: SamplingParams, max_new_tokens: int | None, ca
     """
     n = max_new_tokens
     if n is None:
-        n = max(1, min([DEFAULT_MAX_NEW_TOKENS, capacity] + ([context] if context else [])))
+        n = max(1, min([DEFAULT_MAX_NEW_TOKENS, capacity - 1] + ([context - 1] if context else [])))
     if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 1:
         raise InvalidArgument(f"max_new_tokens: expected an integer >= 1, got {n!r}")
     n = int(n)
-    if context is not None and n > context:
-        raise InvalidArgument(f"max_new_tokens: {n} exceeds the model's context of {context} tokens ({context_of})")
-    if n > capacity >= 1:
+    if context is not None and n >= context:
+        raise InvalidArgument(f"max_new_tokens: {n} exceeds {context - 1}, the most the model's context of {context} "
+                              f"tokens ({context_of}) leaves after a prompt of at least 1 token")
+    if n >= capacity >= 1:
         raise InvalidArgument(
-            f"max_new_tokens: {n} exceeds --capacity {capacity}, the tokens a session holds (prompt and reply "
-            f"together); lower --max-new-tokens or raise --capacity" if cli else
-            f"max_new_tokens: {n} exceeds the session capacity of {capacity} tokens (prompt and reply together); "
-            f"lower max_new_tokens or load the engine with a larger capacity (Engine.load(..., capacity=N))")
+            f"max_new_tokens: {n} exceeds {capacity - 1}, the most --capacity {capacity} leaves for the reply (the "
+            f"session holds prompt and reply together, the prompt at least 1 token); lower --max-new-tokens or "
+            f"raise --capacity" if cli else
+            f"max_new_tokens: {n} exceeds {capacity - 1}, the most the session capacity of {capacity} tokens leaves "
+            f"for the reply (prompt and reply together, the prompt at least 1 token); lower max_new_tokens or load "
+            f"the engine with a larger capacity (Engine.load(..., capacity=N))")
     if params.greedy:
         names = [name for name, v, off in (("top_k", params.top_k, 0), ("top_p", params.top_p, 1.0),
                                            ("seed", params.seed, None)) if v is not None and v != off]

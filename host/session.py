@@ -64,9 +64,10 @@ class GenerationResult:
     ``finish_reason`` (vLLM / OpenAI): ``stop`` or ``length``. ``stop_reason`` (vLLM): the matched stop string or
     the stop token id, None for EOS (one of the config's eos ids) and for ``length``. ``finish_detail``: ``eos``,
     ``stop_token``, ``stop_string`` (finish_reason ``stop``), ``max_new_tokens`` or ``capacity`` (finish_reason
-    ``length``). ``capacity``: the session (at most the model's context) filled before max_new_tokens were
-    generated; max_new_tokens itself never exceeds the capacity (``check_generation_args``), so this happens
-    when the prompt (a session's earlier turns included) leaves less room than max_new_tokens."""
+    ``length``). ``capacity``: prompt and generated tokens filled the session (at most the model's context;
+    vLLM's prompt + output <= max_model_len) before max_new_tokens were generated; max_new_tokens itself is at
+    most capacity - 1 (``check_generation_args``), so this happens when the prompt (a session's earlier turns
+    included) leaves less room than max_new_tokens."""
 
     text: str
     ids: list[int]
@@ -204,10 +205,12 @@ def prepare(engine, prompt_ids: Sequence[int], *, max_new_tokens: int | None = N
     cfg = engine.cfg
     prompt = validate_ids(prompt_ids, cfg.vocab_size)
     cap = session_capacity(engine)
-    if len(prompt) > cap:
+    if len(prompt) >= cap:  # vLLM: prompt + generated <= max_model_len, and at least one token is generated
         raise PromptTooLong(f"prompt has {len(prompt)} tokens; the session holds at most {cap} "
                             f"(executor capacity {engine.executor.capacity}, model context "
-                            f"{cfg.max_position_embeddings})")
+                            f"{cfg.max_position_embeddings})"
+                            + ("" if len(prompt) > cap else ", prompt and reply together: no room is left for a "
+                               "reply"))
     if stop is None:  # vLLM's default
         stop = ()
     if isinstance(stop, str):
@@ -242,6 +245,7 @@ class Session:
     def __init__(self, engine, slot: int):
         self.engine, self.slot = engine, slot
         self.closed = False
+        self.oneshot = False  # opened by a one-shot Engine.generate / chat: closed when its Generation ends
         self.ids: list[int] = []
         self.checkpoints: list[tuple[int, object]] = []
         self._last: StepOutput | None = None  # output of the last processed token (valid when ids non-empty)
@@ -343,19 +347,22 @@ class Session:
 
         Stops on ``stop_ids`` (default: the config's eos ids 248046, 248044), on any ``stop`` string matched on
         the detokenised text (text past it is never emitted), after ``max_new_tokens``, or when the session is
-        full (finish_reason ``stop`` for the first two, ``length`` for the others; see GenerationResult).
-        ``max_new_tokens``: at most ``capacity`` (as the CLI's ``--max-new-tokens``); None = 256, or the capacity
+        full: prompt and generated tokens together reach ``capacity``, vLLM's rule (finish_reason ``stop`` for the
+        first two, ``length`` for the others; see GenerationResult). ``max_new_tokens``: at most ``capacity`` - 1
+        (the prompt takes at least one token; as the CLI's ``--max-new-tokens``); None = 256, or ``capacity`` - 1
         when smaller. ``top_k`` / ``top_p`` / ``seed`` act only when sampling (temperature > 0).
         ``checkpoint_at``: extra prompt positions to snapshot (``chat`` passes the start of the generation
         prompt, where a re-rendered history usually diverges).
 
         Raises, before any work: EmptyPrompt (no ids); InvalidTokenId (an id outside the vocabulary or a padding
-        id, in the prompt or ``stop_ids``); PromptTooLong (the prompt alone exceeds ``capacity``);
-        InvalidArgument (prompt_ids not a sequence of ints, max_new_tokens not an integer >= 1 or above
+        id, in the prompt or ``stop_ids``); PromptTooLong (the prompt leaves no room in ``capacity``
+        for a reply: it has ``capacity`` tokens or more, refused as vLLM does);
+        InvalidArgument (prompt_ids not a sequence of ints, max_new_tokens not an integer >= 1 or not below
         ``capacity`` or the model's context, a sampling parameter out of range, an empty stop string);
         EngineError (this session is closed or already generating). Warns IgnoredArgumentWarning when temperature is 0 and top_k, top_p or seed is given (they
         are ignored; ``host.sampling.check_generation_args``). While running: GenerationInterrupted on
-        KeyboardInterrupt (the session is rolled back to a checkpoint and stays usable).
+        KeyboardInterrupt (the session is rolled back to a checkpoint and stays usable; a one-shot
+        ``Engine.generate`` / ``chat`` keeps nothing: its session is closed).
         """
         self._check_open()
         prev = self._pending() if self._pending is not None else None
@@ -408,8 +415,8 @@ class Session:
                     piece = detok.push(tok)
                     if len(out_ids) == max_new:
                         finish, why = "length", "max_new_tokens"
-                    elif len(self.ids) >= self.capacity:
-                        finish, why = "length", "capacity"
+                    elif len(prompt) + len(out_ids) >= self.capacity:  # vLLM's prompt + output <= max_model_len;
+                        finish, why = "length", "capacity"               # a turn's prompt holds its history
                     if finish:
                         piece += detok.flush()
                 text, hit = match.feed(piece)
@@ -427,8 +434,9 @@ class Session:
                     tm.steps += 1
         except KeyboardInterrupt:
             back = self._rewind(len(self.ids))
-            raise GenerationInterrupted(f"generation interrupted after {len(out_ids)} tokens; the session was "
-                                        f"rolled back to {back} tokens and stays usable") from None
+            raise GenerationInterrupted(f"generation interrupted after {len(out_ids)} tokens; " + (
+                "nothing of it is kept (a one-shot generation's session is closed)" if self.oneshot else
+                f"the session was rolled back to {back} tokens and stays usable")) from None
         except GeneratorExit:  # closed at a yield: the state is consistent
             raise
         except BaseException:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import sys
 import warnings
 
@@ -35,18 +36,32 @@ def model_options(f):
     return f
 
 
+class FiniteFloatRange(click.FloatRange):
+    """click's FloatRange that also refuses nan and inf (FloatRange lets them through), so a sampling value out of
+    ``SamplingParams``' range is a usage error of the command line, as ``--max-new-tokens 0`` is."""
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{rv} is not a finite number.", param, ctx)
+        return rv
+
+
 def sampling_options(f):
-    """Sampling and stopping options, shared by generate and chat."""
+    """Sampling and stopping options, shared by generate and chat. Their declared ranges are those of
+    ``host.sampling.SamplingParams`` (which still checks them for API callers): a value outside is click's usage
+    error (exit 2)."""
     for opt in reversed([
         click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
-                     show_default=f"{DEFAULT_MAX_NEW_TOKENS}, or --capacity when smaller",
-                     help="At most --capacity (the session holds the prompt and the reply)."),
-        click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
-        click.option("--top-k", type=int, default=None,
+                     show_default=f"{DEFAULT_MAX_NEW_TOKENS}, or --capacity - 1 when smaller",
+                     help="At most --capacity - 1 (the session holds the prompt, at least 1 token, and the reply)."),
+        click.option("--temperature", type=FiniteFloatRange(min=0), default=0.0, show_default=True,
+                     help="0 = greedy."),
+        click.option("--top-k", type=click.IntRange(min=0), default=None,
                      help="Keep the k most likely (ties kept); 0 = off. Sampling only (--temperature > 0)."),
-        click.option("--top-p", type=float, default=None,
+        click.option("--top-p", type=FiniteFloatRange(0, 1, min_open=True), default=None,
                      help="Nucleus mass in (0, 1]. Sampling only (--temperature > 0)."),
-        click.option("--seed", type=int, default=None, help="Sampling seed (printed when drawn)."),
+        click.option("--seed", type=click.IntRange(min=0), default=None, help="Sampling seed (printed when drawn)."),
         click.option("--stop", multiple=True, help="Stop string (repeatable); not emitted."),
         click.option("--no-think", is_flag=True, help="Render the prompt with enable_thinking=False."),
     ]):
@@ -67,11 +82,12 @@ def check_model_args(kw: dict) -> None:
 
 def check_sampling_args(kw: dict) -> None:
     """Checks of the sampling flags before the model loads, by the function the Python API runs in
-    ``Session.generate`` (``host.sampling.check_generation_args``): their ranges (``SamplingParams``),
-    --max-new-tokens against --capacity and a preset's context (InvalidArgument), and a ``qwen-mk: warning:``
+    ``Session.generate`` (``host.sampling.check_generation_args``): their ranges (``SamplingParams``; click's
+    option types refused what is out of range already), --max-new-tokens against --capacity and a preset's
+    context (InvalidArgument), and a ``qwen-mk: warning:``
     line on stderr for each IgnoredArgumentWarning it issues (--top-k, --top-p or --seed under greedy decoding,
     where they have no effect; vLLM ignores them there too). Fills in the default ``kw["max_new_tokens"]``:
-    DEFAULT_MAX_NEW_TOKENS, or --capacity when smaller."""
+    DEFAULT_MAX_NEW_TOKENS, or --capacity - 1 when smaller."""
     from host.sampling import SamplingParams, check_generation_args
 
     p = SamplingParams(kw["temperature"], kw["top_k"], kw["top_p"], kw["seed"])

@@ -1,6 +1,6 @@
 """The Python API checks generation arguments as the CLI does, through one shared function
-(``host.sampling.check_generation_args``): max_new_tokens above the session capacity or the model's context is an
-InvalidArgument before any work (vLLM raises on a request that cannot fit, too), and top_k / top_p / seed under
+(``host.sampling.check_generation_args``): max_new_tokens not below the session capacity or the model's context
+(a prompt takes at least one token) is an InvalidArgument before any work (vLLM raises on a request that cannot fit, too), and top_k / top_p / seed under
 greedy decoding raise an IgnoredArgumentWarning (the CLI prints the same warning as a stderr line, once).
 finish_detail ``capacity`` stays reachable where the prompt (a session's earlier turns) leaves too little room.
 Runs on the scripted executor of test_engine and the CLI with its engine loader patched (milliseconds)."""
@@ -26,17 +26,18 @@ HAIKU = [{"role": "user", "content": "Write a haiku about the sea"}]
 # ---------------------------------------------------------------------------------------------- max_new_tokens
 def test_api_refuses_max_new_tokens_above_capacity(text_layer):
     """Engine.generate / Engine.chat / Session.generate raise InvalidArgument naming the value and the capacity,
-    before the executor runs anything; max_new_tokens == capacity is allowed (as the CLI's rule)."""
+    before the executor runs anything; max_new_tokens == capacity - 1 is allowed (as the CLI's rule)."""
     eng = _hash_engine(text_layer, capacity=20)
     s = eng.new_session()
     calls = list(eng.executor.calls)
-    for start in (lambda: eng.generate([1, 2, 3], max_new_tokens=21), lambda: eng.chat(HAIKU, max_new_tokens=21),
-                  lambda: s.generate([1, 2, 3], max_new_tokens=21)):
-        with pytest.raises(InvalidArgument, match=r"max_new_tokens: 21 exceeds the session capacity of 20 tokens"):
+    for start in (lambda: eng.generate([1, 2, 3], max_new_tokens=20), lambda: eng.chat(HAIKU, max_new_tokens=20),
+                  lambda: s.generate([1, 2, 3], max_new_tokens=20)):
+        with pytest.raises(InvalidArgument, match=r"max_new_tokens: 20 exceeds 19, the most the session capacity "
+                                                  r"of 20 tokens leaves"):
             start()
     assert eng.executor.calls == calls                                # refused before any prefill or step
     assert eng._free == [1]                                           # the one-shot calls gave their slot back
-    r = s.generate([1, 2, 3], max_new_tokens=20, stop_ids=[]).result()  # control: at the capacity is fine
+    r = s.generate([1, 2, 3], max_new_tokens=19, stop_ids=[]).result()  # control: capacity - 1 is fine
     assert (r.finish_reason, r.finish_detail) == ("length", "capacity")
     s.close()
 
@@ -46,26 +47,27 @@ def test_api_refuses_max_new_tokens_above_model_context(text_layer):
     tok, tmpl = text_layer
     cfg = dataclasses.replace(PRESETS["tiny"], max_position_embeddings=16)
     eng = Engine(cfg, None, None, tok, tmpl, HashExecutor(capacity=64))
-    with pytest.raises(InvalidArgument, match=r"max_new_tokens: 17 exceeds the model's context of 16 tokens"):
-        eng.generate([1, 2], max_new_tokens=17)
+    with pytest.raises(InvalidArgument, match=r"max_new_tokens: 16 exceeds 15, the most the model's context of 16 "):
+        eng.generate([1, 2], max_new_tokens=16)
     assert eng.executor.calls == []
-    assert len(eng.generate([1, 2], max_new_tokens=16, stop_ids=[]).result().ids) == 16 - 2 + 1
+    assert len(eng.generate([1, 2], max_new_tokens=15, stop_ids=[]).result().ids) == 16 - 2
 
 
 def test_api_default_max_new_tokens_fits_the_capacity(text_layer):
-    """No max_new_tokens: 256, lowered to a smaller capacity (the CLI's default), so a small capacity is no error."""
+    """No max_new_tokens: 256, lowered to a smaller capacity - 1 (the CLI's default), so a small capacity is no
+    error."""
     from host.sampling import DEFAULT_MAX_NEW_TOKENS, SamplingParams, check_generation_args
     from host.commands import generate as gen
     assert gen.DEFAULT_MAX_NEW_TOKENS == DEFAULT_MAX_NEW_TOKENS == 256  # the CLI's help text names the same one
     p = SamplingParams()
-    assert check_generation_args(p, None, 4096, 262144) == 256 and check_generation_args(p, None, 20, 262144) == 20
+    assert check_generation_args(p, None, 4096, 262144) == 256 and check_generation_args(p, None, 20, 262144) == 19
     r = _hash_engine(text_layer, capacity=20).generate([1, 2], stop_ids=[]).result()
-    assert (r.finish_detail, len(r.ids)) == ("capacity", 20 - 2 + 1)
+    assert (r.finish_detail, len(r.ids)) == ("capacity", 20 - 2)
     r = _hash_engine(text_layer, capacity=300).generate([1, 2], stop_ids=[]).result()
     assert (r.finish_detail, len(r.ids)) == ("max_new_tokens", 256)
 
 
-@pytest.mark.parametrize("capacity,n", [(8, 1), (8, 8), (8, 9), (8, 300), (300, 256), (300, 301)])
+@pytest.mark.parametrize("capacity,n", [(8, 1), (8, 7), (8, 8), (8, 9), (8, 300), (300, 256), (300, 301)])
 def test_cli_and_api_agree_on_max_new_tokens(fake_engine, text_layer, capacity, n):
     """Same (capacity, max_new_tokens): the CLI exits with InvalidArgument's code exactly when the API raises it."""
     r = run(["generate", "--raw", "--capacity", str(capacity), "--max-new-tokens", str(n), "hi"])
@@ -75,7 +77,7 @@ def test_cli_and_api_agree_on_max_new_tokens(fake_engine, text_layer, capacity, 
         api_refused = False
     except InvalidArgument:
         api_refused = True
-    assert api_refused == (n > capacity)
+    assert api_refused == (n >= capacity)
     assert (r.exit_code == InvalidArgument.exit_code) == api_refused, r.output
     if not api_refused:
         assert r.exit_code == 0, r.output
@@ -100,7 +102,7 @@ def test_cli_and_api_call_the_same_check(monkeypatch, fake_engine):
 
 
 def test_capacity_finish_still_reached_when_earlier_turns_fill_the_session(text_layer):
-    """max_new_tokens <= capacity is checked up front; the room the prompt leaves is not (the prompt of a session
+    """max_new_tokens < capacity is checked up front; the room the prompt leaves is not (the prompt of a session
     turn is the whole conversation), so a later turn can still end with finish_detail capacity."""
     eng = _hash_engine(text_layer, capacity=40)
     s = eng.new_session()
@@ -109,7 +111,7 @@ def test_capacity_finish_still_reached_when_earlier_turns_fill_the_session(text_
     assert (r1.finish_detail, len(r1.ids)) == ("max_new_tokens", 20)
     p2 = p1 + r1.ids + [7, 8, 9, 10, 11]                              # 35 tokens: 6 left of the 40
     r2 = s.generate(p2, max_new_tokens=20, stop_ids=[]).result()
-    assert (r2.finish_reason, r2.finish_detail, len(r2.ids)) == ("length", "capacity", 40 - 35 + 1)
+    assert (r2.finish_reason, r2.finish_detail, len(r2.ids)) == ("length", "capacity", 40 - 35)
     s.close()
 
 

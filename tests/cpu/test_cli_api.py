@@ -24,13 +24,13 @@ def test_finish_reasons_use_vllm_names(text_layer):
     for length); finish_detail keeps what the engine knows (max_new_tokens vs capacity, eos vs stop token)."""
     eng = _hash_engine(text_layer, capacity=40)
     body = eng.tokenizer.encode("Hello world. The end of it")
-    cases = [  # (script, generate kwargs, finish_reason, stop_reason, finish_detail); max_new_tokens <= capacity
+    cases = [  # (script, generate kwargs, finish_reason, stop_reason, finish_detail); max_new_tokens < capacity
         (body, dict(max_new_tokens=3), "length", None, "max_new_tokens"),
-        (body + [IM_END_ID], dict(max_new_tokens=40), "stop", None, "eos"),
-        (body + [IM_END_ID], dict(max_new_tokens=40, stop=["world."]), "stop", "world.", "stop_string"),
-        (body, dict(max_new_tokens=40, stop_ids=[body[2]]), "stop", body[2], "stop_token"),
-        (body + [IM_END_ID], dict(max_new_tokens=40, stop_ids=[IM_END_ID]), "stop", None, "eos"),
-        (body * 4, dict(max_new_tokens=40, stop_ids=[]), "length", None, "capacity"),
+        (body + [IM_END_ID], dict(max_new_tokens=39), "stop", None, "eos"),
+        (body + [IM_END_ID], dict(max_new_tokens=39, stop=["world."]), "stop", "world.", "stop_string"),
+        (body, dict(max_new_tokens=39, stop_ids=[body[2]]), "stop", body[2], "stop_token"),
+        (body + [IM_END_ID], dict(max_new_tokens=39, stop_ids=[IM_END_ID]), "stop", None, "eos"),
+        (body * 4, dict(max_new_tokens=39, stop_ids=[]), "length", None, "capacity"),
     ]
     for script, kw, reason, stop_reason, detail in cases:
         eng.executor.script = script
@@ -48,7 +48,7 @@ def test_cli_json_and_timing_line_finish(fake_engine):
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert (d["finish_reason"], d["stop_reason"], d["finish_detail"]) == ("length", None, "max_new_tokens")
-    r = run(["generate", "--max-new-tokens", "40", "--capacity", "40", "hi"])      # the prompt fills part of it
+    r = run(["generate", "--max-new-tokens", "39", "--capacity", "40", "hi"])      # the prompt fills part of it
     assert r.exit_code == 0, r.output
     assert "finish length (capacity)" in r.stderr, r.stderr
 
@@ -140,9 +140,9 @@ def test_max_new_tokens_above_capacity_refused_before_loading(monkeypatch, cmd):
 
 
 def test_max_new_tokens_default_fits_a_small_capacity(fake_engine):
-    r = run(["generate", "--capacity", "64", "--max-new-tokens", "64", "hi"])
+    r = run(["generate", "--capacity", "64", "--max-new-tokens", "63", "hi"])
     assert r.exit_code == 0, r.output
-    r = run(["generate", "--json", "--capacity", "32", "hi"])         # the default 256 becomes 32, no error
+    r = run(["generate", "--json", "--capacity", "32", "hi"])         # the default 256 becomes 31, no error
     assert r.exit_code == 0 and json.loads(r.stdout)["finish_detail"] == "capacity", r.output
     r = run(["chat", "--capacity", "32", "--no-timings"], input="hi\n/exit\n")
     assert r.exit_code == 0 and "error" not in r.stderr, r.output

@@ -204,11 +204,12 @@ def test_stop_token_and_stop_string(text_layer):
 
 def test_capacity_and_prompt_limits(text_layer):
     eng = _hash_engine(text_layer, capacity=20)
-    r = eng.generate(list(range(100, 115)), max_new_tokens=20, stop_ids=[]).result()   # at most the capacity
-    assert (r.finish_reason, r.finish_detail) == ("length", "capacity") and len(r.ids) == 20 - 15 + 1
-    eng.generate(list(range(100, 120)), max_new_tokens=1).result()           # exactly full: allowed
-    with pytest.raises(PromptTooLong):
-        eng.generate(list(range(100, 121)), max_new_tokens=1)
+    r = eng.generate(list(range(100, 115)), max_new_tokens=19, stop_ids=[]).result()   # prompt + reply <= capacity
+    assert (r.finish_reason, r.finish_detail) == ("length", "capacity") and len(r.ids) == 20 - 15
+    assert len(eng.generate(list(range(100, 119)), max_new_tokens=1).result().ids) == 1  # room for one: allowed
+    for n in (20, 21):                                                        # no room for a reply (vLLM refuses it)
+        with pytest.raises(PromptTooLong):
+            eng.generate(list(range(100, 100 + n)), max_new_tokens=1)
 
 
 @pytest.mark.parametrize("ids,err", [([], EmptyPrompt), ([1, V], InvalidTokenId), ([1, -1], InvalidTokenId),
