@@ -7,31 +7,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 
 import pytest
 
 from loader.checkpoint import INDEX_FILE, Checkpoint, CheckpointConfigError, CheckpointError
 from loader.config import ConfigError, ModelConfig
-
-SHARD = "model-00001-of-00001.safetensors"  # the cached tiny checkpoint's one shard (with an index)
-
-
-def _dir(tiny_ckpt, d, config=None, shards=(SHARD,), index=True):
-    """A checkpoint directory ``d``: config.json (``config`` or the tiny one), the tiny shard symlinked under
-    each name of ``shards``, and the tiny index when ``index`` (as in test_loader_s5)."""
-    d.mkdir()
-    cj = config if config is not None else _tiny_config(tiny_ckpt)
-    (d / "config.json").write_text(json.dumps(cj))
-    for s in shards:
-        os.symlink(tiny_ckpt / SHARD, d / s)
-    if index:
-        shutil.copy(tiny_ckpt / INDEX_FILE, d / INDEX_FILE)
-    return d
-
-
-def _tiny_config(tiny_ckpt) -> dict:
-    return json.loads((tiny_ckpt / "config.json").read_text())
+from tests.cpu.test_loader_s5 import SHARD, _dir, _tiny_config  # the same scratch checkpoint directories
 
 
 def _remap(d, fn):
