@@ -19,7 +19,7 @@ from typing import Protocol, runtime_checkable
 import ml_dtypes
 import numpy as np
 
-from loader.config import FULL, ConfigError, ModelConfig
+from loader.config import FULL, ConfigError, ModelConfig, _json_kind
 
 BF16, FP8 = "bfloat16", "float8_e4m3fn"
 INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
@@ -296,9 +296,12 @@ class Checkpoint:
     def _check_quantization(self, want: dict[str, tuple[tuple[int, ...], str]]) -> None:
         """Raise CheckpointConfigError naming config.json when its quantisation does not fit: fp8 tensors in the
         shards but no ``quantization_config`` (else every fp8 weight or scale would be blamed on its shard), or a
-        ``modules_to_not_convert`` entry naming a module the engine loads as fp8 (HF and vLLM would load that one
-        unquantised). An entry matches a module by its full name (stored or canonical), a parent module or a
-        dotted suffix (``gate_proj``, as short lists write it); the real list names only bf16 modules (spec §1.2)."""
+        ``modules_to_not_convert`` entry covering a module the engine loads as fp8 (HF would load that one
+        unquantised). An entry covers a module when it is a substring of the module's dotted name, stored
+        (``model.language_model.layers.0.mlp.gate_proj``) or canonical (``model.layers.0.mlp.gate_proj``): HF's
+        FP8 integration skips a linear when ``any(key in name for key in modules_to_not_convert)``, so ``mlp``,
+        ``layers.1`` or ``proj`` cover fp8 modules as ``gate_proj`` does. The real list names only bf16 modules
+        by full name (spec §1.2), none of them inside an fp8 module's name."""
         cj = self.path / "config.json"
         if self.config.quant_method is None:
             fp8 = [(f, s) for f, s, dt, *_ in self._entries.values() if dt.name == FP8]
@@ -311,22 +314,17 @@ class Checkpoint:
                     "expected an fp8 quantization_config (quant_method 'fp8', fmt 'e4m3', weight_block_size "
                     "[128, 128]), or bfloat16 weights without one")
             return
-        names: dict[str, str] = {}  # every name an entry could give an fp8 module -> the module's stored name
-        for c, (_, dtn) in want.items():
-            if dtn == FP8:
-                m = c[: -len(".weight")]
-                sm = stored_name(self.config, m)
-                for parts in (m.split("."), sm.split(".")):
-                    for i in range(1, len(parts) + 1):
-                        names.setdefault(".".join(parts[:i]), sm)
-                        names.setdefault(".".join(parts[-i:]), sm)
-        hits = [e for e in self.config.modules_to_not_convert if e in names]
+        fp8 = [c[: -len(".weight")] for c, (_, dtn) in want.items() if dtn == FP8]
+        fp8 = [(stored_name(self.config, m), m) for m in fp8]  # (stored, canonical) name of every fp8 module
+        first = {e: next((sm for sm, m in fp8 if e in sm or e in m), None) for e in self.config.modules_to_not_convert}
+        hits = [(e, sm) for e, sm in first.items() if sm is not None]
         if hits:
+            (e, sm), n = hits[0], len(hits)
             raise CheckpointConfigError(
-                f"{cj}: config field 'quantization_config.modules_to_not_convert' lists {hits[0]!r}, which covers "
-                f"{names[hits[0]]!r} ({len(hits)} such entr{'y' if len(hits) == 1 else 'ies'}); the engine loads that "
-                "module as fp8 e4m3 with 128x128 block scales: expected only bfloat16 modules (embeddings, norms, "
-                "lm_head, in_proj_a/b, conv1d, mtp.fc, vision)")
+                f"{cj}: config field 'quantization_config.modules_to_not_convert' lists {e!r}, which covers "
+                f"{sm!r} ({n} such entr{'y' if n == 1 else 'ies'}); the engine loads that module as fp8 e4m3 with "
+                "128x128 block scales: expected only bfloat16 modules (embeddings, norms, lm_head, in_proj_a/b, "
+                "conv1d, mtp.fc, vision), as HF leaves unquantised every module whose dotted name contains an entry")
 
 
 def _shard_files(root: Path) -> dict[Path, set[str] | None]:
@@ -337,7 +335,8 @@ def _shard_files(root: Path) -> dict[Path, set[str] | None]:
     download) and the error lists the absent files. Without an index the directory must hold exactly one
     ``*.safetensors`` file (``model.safetensors``, or e.g. ``model-00001-of-00001.safetensors``): its header is
     the tensor map (hidden files, e.g. macOS ``._*`` copies, are not counted). Several files without an index are
-    refused (which file holds what is the index's job). An index entry that leaves the directory is refused."""
+    refused (which file holds what is the index's job). An index entry that is not a relative file name inside
+    the directory is refused (see :func:`_index_entry`), as is one naming a subdirectory."""
     idx = root / INDEX_FILE
     if idx.is_file():
         try:
@@ -352,9 +351,15 @@ def _shard_files(root: Path) -> dict[Path, set[str] | None]:
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{idx}: expected a JSON object with a 'weight_map' object of tensor name -> "
                                   f"shard file name ({e!r})") from None
+        dirs = sorted(f for f in files if f.is_dir())
+        if dirs:
+            f = dirs[0]
+            raise CheckpointError(f"{idx}: tensor {sorted(files[f])[0]!r} is mapped to {written[f]!r}, which is a "
+                                  "directory, not a shard file; expected a shard file name relative to the checkpoint "
+                                  f"directory {root}")
         absent = sorted(f for f in files if not f.is_file())
         if absent:
-            listed = "; ".join(f"{written[f]} ({len(files[f])} tensor(s), e.g. {sorted(files[f])[0]!r})"
+            listed = "; ".join(f"{written[f]!r} ({len(files[f])} tensor(s), e.g. {sorted(files[f])[0]!r})"
                                for f in absent[:4]) + (f"; and {len(absent) - 4} more" if len(absent) > 4 else "")
             meta = index.get("metadata") if isinstance(index, dict) else None
             partial = meta.get(PARTIAL_KEY) if isinstance(meta, dict) else None
@@ -375,17 +380,30 @@ def _shard_files(root: Path) -> dict[Path, set[str] | None]:
                           "*.safetensors file is expected")
 
 
-def _index_entry(root: Path, idx: Path, name: str, fn: str) -> Path:
+def _index_entry(root: Path, idx: Path, name: str, fn: object) -> Path:
     """Path of the shard the index maps tensor ``name`` to (entry ``fn``, relative to ``root``). Raises
-    CheckpointError naming the index and the entry as written when it leaves ``root``: absolute, ``..`` past the
-    top, or through a symlinked directory. A symlinked shard file is followed (HF's hub cache links every file
-    to its blob store); a subdirectory inside ``root`` is allowed."""
-    p = root / fn  # TypeError for a non-string entry: the caller's malformed-index error
+    CheckpointError naming the index, the tensor and the entry as written (``repr``) when the entry is not a string
+    (or holds a NUL), is absolute (inside ``root`` or not: absolute paths are not allowed), names ``root`` itself
+    (``""``, ``"."``), or leaves ``root`` (``..`` past the top, or through a symlinked directory). A symlinked
+    shard file is followed (HF's hub cache links every file to its blob store); a subdirectory inside ``root`` is
+    allowed."""
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{idx}: tensor {name!r} is mapped to {fn!r}, {why}; expected a shard file name "
+                               f"relative to the checkpoint directory {root}")
+
+    if not isinstance(fn, str):
+        raise CheckpointError(f"{idx}: tensor {name!r} is mapped to {json.dumps(fn)} (a JSON {_json_kind(fn)}); "
+                              "expected a shard file name string")
+    if "\0" in fn:
+        raise bad("which holds a NUL character")
+    if os.path.isabs(fn):
+        raise bad("an absolute path (absolute paths are not allowed)")
     norm = os.path.normpath(fn)
+    if norm == os.curdir:
+        raise bad("which names the checkpoint directory itself, not a shard file")
     real = os.path.realpath(os.path.dirname(os.path.join(root, fn)))
     top = os.path.realpath(root)
-    if os.path.isabs(fn) or norm == os.pardir or norm.startswith(os.pardir + os.sep) or \
-            os.path.commonpath([real, top]) != top:
+    if norm == os.pardir or norm.startswith(os.pardir + os.sep) or os.path.commonpath([real, top]) != top:
         raise CheckpointError(f"{idx}: tensor {name!r} is mapped to {fn!r}, which is outside the checkpoint "
                               f"directory {root}; expected a shard file name relative to it")
-    return p
+    return root / fn

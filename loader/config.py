@@ -5,7 +5,7 @@ Parsed from a checkpoint's ``config.json`` (multimodal layout with the text fiel
 top level). Field meanings and the real values: ``shared/spec/qwen35-checkpoint.md`` §1. A ``dtype`` /
 ``torch_dtype`` must be ``bfloat16``; a ``quantization_config`` must be fp8 e4m3 with 128×128 blocks (its absent
 keys take those values; no quantization_config at all = the all-bf16 release); its ``modules_to_not_convert`` is
-kept for the checkpoint loader, which refuses one naming a module the engine loads as fp8.
+kept for the checkpoint loader, which refuses one covering a module the engine loads as fp8.
 
 Presets: ``qwen3.5-27b`` (the real dimensions) and ``tiny`` (same structure, small; the real
 248,320-row vocabulary and special-token ids; every fp8 matrix dimension a multiple of 128).
@@ -82,7 +82,7 @@ class ModelConfig:
     weight_block_size: tuple[int, int] = (128, 128)
     activation_scheme: str = "dynamic"
     # quantization_config.modules_to_not_convert as written (full dotted names; the loader checks that none of
-    # them is a module it loads as fp8); not part of the model's identity
+    # them is a substring of the name of a module it loads as fp8, HF's rule); not part of the model's identity
     modules_to_not_convert: tuple[str, ...] = field(default=(), compare=False, repr=False)
     # True when the checkpoint uses the multimodal prefix model.language_model.*
     multimodal: bool = True

@@ -127,7 +127,7 @@ def _expect(path, match):
 def test_missing_shard(base, tmp_path):
     p = make(base, tmp_path)
     (p / F_SMALL).unlink()
-    _expect(p, rf"{p}: incomplete checkpoint: 1 of 2 shard file\(s\) listed in {INDEX_FILE} is missing: {F_SMALL} "
+    _expect(p, rf"{p}: incomplete checkpoint: 1 of 2 shard file\(s\) listed in {INDEX_FILE} is missing: '{F_SMALL}' "
                rf"\(\d+ tensor\(s\), e\.g\. '{LP}0\.input_layernorm\.weight'\)")
 
 

@@ -155,8 +155,8 @@ def test_index_naming_missing_files_lists_them(tiny_ckpt, tmp_path):
         Checkpoint.open(d)
     msg = str(e.value)
     assert msg.startswith(f"{d}: incomplete checkpoint: 2 of 3 shard file(s) listed in {INDEX_FILE} are missing: "
-                          f"model-00002-of-00003.safetensors (5 tensor(s), e.g. {names[0]!r}); "
-                          f"model-00003-of-00003.safetensors (2 tensor(s), e.g. {names[5]!r})"), msg
+                          f"'model-00002-of-00003.safetensors' (5 tensor(s), e.g. {names[0]!r}); "
+                          f"'model-00003-of-00003.safetensors' (2 tensor(s), e.g. {names[5]!r})"), msg
     assert "partial" not in msg
 
 
@@ -181,7 +181,7 @@ def test_partial_make_checkpoint_is_refused_as_incomplete(tmp_path):
         Checkpoint.open(out)
     msg = str(e.value)
     assert msg.startswith(f"{out}: incomplete checkpoint: {total - 1} of {total} shard file(s) listed in "
-                          f"{INDEX_FILE} are missing: model-00002-of-{total:05d}.safetensors ("), msg
+                          f"{INDEX_FILE} are missing: 'model-00002-of-{total:05d}.safetensors' ("), msg
     assert msg.endswith(f"(a partial write: only 1 of {total} shards were written (qwen-mk make-checkpoint "
                         "--max-shards 1))"), msg
     with pytest.raises(ModelLoadError, match="incomplete checkpoint") as e:

@@ -1,7 +1,9 @@
 """Loader review, session 6: fp8 shards under a config.json without ``quantization_config`` are blamed on
 config.json; an index entry that leaves the checkpoint directory is refused (one in a subdirectory is allowed and
-named as written); hidden files do not count in the one-file search; ``modules_to_not_convert`` may not list a
-module the engine loads as fp8. Built on the cached tiny checkpoint (symlinked, never modified)."""
+named as written, quoted); an absolute, empty, ``.``, directory or non-string entry is refused naming the index, the
+tensor and the entry; hidden files do not count in the one-file search; no ``modules_to_not_convert`` entry may
+cover a module the engine loads as fp8, by HF's rule (a substring of its dotted name), while every bf16 module
+name of the real checkpoint passes. Built on the cached tiny checkpoint (symlinked, never modified)."""
 from __future__ import annotations
 
 import json
@@ -10,8 +12,9 @@ import re
 
 import pytest
 
-from loader.checkpoint import INDEX_FILE, Checkpoint, CheckpointConfigError, CheckpointError
-from loader.config import ConfigError, ModelConfig
+from loader.checkpoint import (BF16, INDEX_FILE, SCALE_SUFFIX, Checkpoint, CheckpointConfigError, CheckpointError,
+                               expected_tensors, stored_name)
+from loader.config import ConfigError, ModelConfig, preset
 from tests.cpu.test_loader_s5 import SHARD, _dir, _tiny_config  # the same scratch checkpoint directories
 
 
@@ -44,15 +47,13 @@ def test_fp8_shards_without_quantization_config_blame_config_json(tiny_ckpt, tmp
 
 
 # ---------------------------------------------------------------------------------------------- 2. index entries
-@pytest.mark.parametrize("entry", ["../outside.safetensors", "ABS", "sub/../../outside.safetensors",
-                                   "link/outside.safetensors"], ids=["dotdot", "absolute", "sub_dotdot", "dir_link"])
+@pytest.mark.parametrize("entry", ["../outside.safetensors", "sub/../../outside.safetensors",
+                                   "link/outside.safetensors"], ids=["dotdot", "sub_dotdot", "dir_link"])
 def test_index_entry_outside_the_directory_is_refused(tiny_ckpt, tmp_path, entry):
     d = _dir(tiny_ckpt, tmp_path / "ck")
     os.symlink(tiny_ckpt / SHARD, tmp_path / "outside.safetensors")  # exists: the old loader opened it
     (d / "sub").mkdir()
     os.symlink(tmp_path, d / "link")  # a directory link leading out of the checkpoint
-    if entry == "ABS":
-        entry = str(tmp_path / "outside.safetensors")
     name = _remap(d, entry)
     with pytest.raises(CheckpointError) as e:
         Checkpoint.open(d)
@@ -71,7 +72,64 @@ def test_index_entry_in_a_subdirectory(tiny_ckpt, tmp_path):
     with pytest.raises(CheckpointError) as e:
         Checkpoint.open(d)
     assert str(e.value).startswith(f"{d}: incomplete checkpoint: 1 of 1 shard file(s) listed in {INDEX_FILE} is "
-                                   f"missing: sub/missing.safetensors (") and repr(name) in str(e.value), str(e.value)
+                                   f"missing: 'sub/missing.safetensors' (") and repr(name) in str(e.value), str(e.value)
+
+
+def _refused(d, entry, why):
+    """Checkpoint.open(d) after pointing every index entry at ``entry`` fails naming the index, the first
+    tensor and the entry (repr) with ``why``, then what a good entry is."""
+    name = _remap(d, entry)
+    with pytest.raises(CheckpointError) as e:
+        Checkpoint.open(d)
+    assert str(e.value) == (f"{d / INDEX_FILE}: tensor {name!r} is mapped to {entry!r}, {why}; expected a shard "
+                            f"file name relative to the checkpoint directory {d}")
+
+
+@pytest.mark.parametrize("where", ["inside", "outside"])
+def test_index_entry_absolute_path_is_refused_as_absolute(tiny_ckpt, tmp_path, where):
+    """An absolute entry is refused for being absolute, wherever it points (it used to be called "outside the
+    checkpoint directory" even when it named the directory's own shard)."""
+    d = _dir(tiny_ckpt, tmp_path / "ck")
+    os.symlink(tiny_ckpt / SHARD, tmp_path / "outside.safetensors")
+    entry = str(d / SHARD if where == "inside" else tmp_path / "outside.safetensors")
+    _refused(d, entry, "an absolute path (absolute paths are not allowed)")
+
+
+@pytest.mark.parametrize("entry", ["", ".", "./", "sub/.."], ids=["empty", "dot", "dot_slash", "sub_dotdot"])
+def test_index_entry_naming_the_directory_itself_is_refused(tiny_ckpt, tmp_path, entry):
+    """"" and "." name the checkpoint directory, not a file (they used to show as a missing shard named by nothing
+    or a bare dot)."""
+    d = _dir(tiny_ckpt, tmp_path / "ck")
+    (d / "sub").mkdir()
+    _refused(d, entry, "which names the checkpoint directory itself, not a shard file")
+
+
+def test_index_entry_naming_a_subdirectory_or_holding_nul_is_refused(tiny_ckpt, tmp_path):
+    d = _dir(tiny_ckpt, tmp_path / "ck")
+    (d / "sub").mkdir()
+    _refused(d, "sub", "which is a directory, not a shard file")
+    _refused(d, "sub\0/model.safetensors", "which holds a NUL character")  # was a ValueError from realpath
+
+
+def test_missing_shard_entries_are_quoted(tiny_ckpt, tmp_path):
+    d = _dir(tiny_ckpt, tmp_path / "ck")
+    _remap(d, "model .safetensors ")  # the blanks show
+    names = sorted(json.loads((d / INDEX_FILE).read_text())["weight_map"])
+    with pytest.raises(CheckpointError) as e:
+        Checkpoint.open(d)
+    assert str(e.value) == (f"{d}: incomplete checkpoint: 1 of 1 shard file(s) listed in {INDEX_FILE} is missing: "
+                            f"'model .safetensors ' ({len(names)} tensor(s), e.g. {names[0]!r})")
+
+
+@pytest.mark.parametrize("entry,shown", [(3, "3 (a JSON number)"), (None, "null (a JSON null)"),
+                                         ([SHARD], f'["{SHARD}"] (a JSON list)')], ids=["int", "null", "list"])
+def test_index_entry_that_is_not_a_string_names_the_tensor(tiny_ckpt, tmp_path, entry, shown):
+    """It used to be the malformed-index error quoting TypeError("unsupported operand type(s) for /: ...")."""
+    d = _dir(tiny_ckpt, tmp_path / "ck")
+    name = _remap(d, entry)
+    with pytest.raises(CheckpointError) as e:
+        Checkpoint.open(d)
+    assert str(e.value) == f"{d / INDEX_FILE}: tensor {name!r} is mapped to {shown}; expected a shard file name string"
 
 
 # ---------------------------------------------------------------------------------------------- 3. hidden files
@@ -87,13 +145,31 @@ def test_hidden_files_do_not_count_in_the_single_file_search(tiny_ckpt, tmp_path
 
 
 # ------------------------------------------------------------------------------------ 4. modules_to_not_convert
-@pytest.mark.parametrize("entry,module", [
-    ("model.language_model.layers.3.self_attn.q_proj", "model.language_model.layers.3.self_attn.q_proj"),
-    ("model.layers.0.mlp.down_proj", "model.language_model.layers.0.mlp.down_proj"),  # canonical spelling
-    ("in_proj_qkv", "model.language_model.layers.0.linear_attn.in_proj_qkv"),  # short name, HF style
+L = "model.language_model.layers."
+COVERING = [  # (entry, the first fp8 module it covers, as stored)
+    (L + "3.self_attn.q_proj", L + "3.self_attn.q_proj"),  # stored full name
+    ("model.layers.0.mlp.down_proj", L + "0.mlp.down_proj"),  # canonical spelling
+    ("in_proj_qkv", L + "0.linear_attn.in_proj_qkv"),  # short name, HF style
     ("mtp.layers.0", "mtp.layers.0.self_attn.q_proj"),  # a parent module
-], ids=["stored", "canonical", "suffix", "parent"])
-def test_modules_to_not_convert_listing_an_fp8_module_is_refused(tiny_ckpt, tmp_path, entry, module):
+    ("gate_proj", L + "0.mlp.gate_proj"), ("mlp.gate_proj", L + "0.mlp.gate_proj"),
+    ("layers.0.mlp.gate_proj", L + "0.mlp.gate_proj"), (L + "0.mlp", L + "0.mlp.gate_proj"),
+    ("model", L + "0.linear_attn.in_proj_qkv"), ("mtp", "mtp.layers.0.self_attn.q_proj"),
+    # substrings the old prefix / suffix matching let through although HF leaves the modules unquantised
+    ("mlp", L + "0.mlp.gate_proj"), ("layers.0.mlp", L + "0.mlp.gate_proj"),
+    ("self_attn", L + "3.self_attn.q_proj"), ("linear_attn", L + "0.linear_attn.in_proj_qkv"),
+    ("language_model", L + "0.linear_attn.in_proj_qkv"), ("layers", L + "0.linear_attn.in_proj_qkv"),
+    ("proj", L + "0.linear_attn.in_proj_qkv"), ("layers.1", L + "1.linear_attn.in_proj_qkv"),
+    (L + "1.mlp.gate", L + "1.mlp.gate_proj"), ("s.7.self_att", L + "7.self_attn.q_proj"),
+    ("", L + "0.linear_attn.in_proj_qkv"),  # the empty string is in every name
+    ("model.layers", L + "0.linear_attn.in_proj_qkv"),  # only in the canonical name
+]
+
+
+@pytest.mark.parametrize("entry,module", COVERING, ids=[repr(e) for e, _ in COVERING])
+def test_modules_to_not_convert_covering_an_fp8_module_is_refused(tiny_ckpt, tmp_path, entry, module):
+    """HF's FP8 integration keeps a linear unquantised when any entry is a substring of its dotted name
+    (``any(key in current_key_name_str for key in modules_to_not_convert)``): each entry here covers an fp8 module,
+    named in the error as stored (the first one in model order)."""
     cj = _tiny_config(tiny_ckpt)
     cj["quantization_config"]["modules_to_not_convert"].append(entry)
     d = _dir(tiny_ckpt, tmp_path / "ck", cj)
@@ -104,11 +180,54 @@ def test_modules_to_not_convert_listing_an_fp8_module_is_refused(tiny_ckpt, tmp_
                                    "module as fp8 e4m3"), str(e.value)
 
 
+def test_modules_to_not_convert_counts_every_covering_entry(tiny_ckpt, tmp_path):
+    from host.engine import Engine
+    from host.errors import ModelLoadError
+    cj = _tiny_config(tiny_ckpt)
+    cj["quantization_config"]["modules_to_not_convert"] += ["mlp", "lm_head", "proj"]
+    d = _dir(tiny_ckpt, tmp_path / "ck", cj)
+    with pytest.raises(ModelLoadError, match=re.escape(f"lists 'mlp', which covers '{L}0.mlp.gate_proj' (2 such "
+                                                       "entries)")) as e:
+        Engine.load(d, executor="cpu", quiet=True)
+    assert e.value.exit_code == 6
+
+
+def _bf16_module_names(cfg) -> list[str]:
+    """Every name a real modules_to_not_convert may use for a bf16 module of ``cfg``, from the loader's own table:
+    each bf16 tensor of expected_tensors stripped of ``.weight``, stored and canonical, their short names, and the
+    vision modules (spec §2) the loader never reads."""
+    mods = [n.removesuffix(".weight") for n, (_, dt) in expected_tensors(cfg).items() if dt == BF16
+            and not n.endswith(SCALE_SUFFIX)]
+    names = mods + [stored_name(cfg, m) for m in mods] + sorted({m.rsplit(".", 1)[-1] for m in mods})
+    names += ["mtp.fc", "visual", "model.visual", "model.visual.patch_embed.proj", "model.visual.pos_embed"]
+    names += [f"model.visual.merger.{m}" for m in ("norm", "linear_fc1", "linear_fc2")]
+    names += [f"model.visual.blocks.{b}.{m}" for b in range(27)
+              for m in ("norm1", "norm2", "attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2")]
+    return names
+
+
+def test_modules_to_not_convert_real_bf16_names_are_never_refused(tiny_ckpt, tmp_path):
+    """The real list (651 full names: lm_head, embeddings, norms, in_proj_a/b, conv1d, mtp.fc, vision) must load:
+    no bf16 module's name is inside an fp8 module's name, for the tiny layer count and the 27B one."""
+    cj = _tiny_config(tiny_ckpt)
+    names = _bf16_module_names(preset("tiny"))
+    keep = cj["quantization_config"]["modules_to_not_convert"]
+    assert set(keep) <= set(names) and {"lm_head", "in_proj_a", "conv1d", L + "0.linear_attn.in_proj_b",
+                                        "model.language_model.embed_tokens", "mtp.fc"} <= set(names)
+    cj["quantization_config"]["modules_to_not_convert"] = names
+    ck = Checkpoint.open(_dir(tiny_ckpt, tmp_path / "a", cj))
+    assert ck.config.modules_to_not_convert == tuple(names)
+    big = preset("qwen3.5-27b")
+    big = big.replace(modules_to_not_convert=tuple(_bf16_module_names(big)))
+    Checkpoint(tmp_path, big, {})._check_quantization(expected_tensors(big))  # 64 layers: layers.1.* vs layers.10.*
+
+
 def test_modules_to_not_convert_bf16_entries_and_absent_key_are_fine(tiny_ckpt, tmp_path):
     cj = _tiny_config(tiny_ckpt)
     keep = cj["quantization_config"]["modules_to_not_convert"]
     assert "lm_head" in keep and "mtp.fc" in keep  # the synthetic list: every bf16 module by full name
-    keep += ["model.visual.blocks.0.attn.qkv", "q_norm", "layers.1", "model.language_model.layers.1.mlp.gate"]
+    keep += ["model.visual.blocks.0.attn.qkv", "q_norm", "layers.1.input_layernorm", "in_proj_b", "mtp.norm",
+             "model.language_model.norm", "dt_bias"]
     Checkpoint.open(_dir(tiny_ckpt, tmp_path / "a", cj))
     del cj["quantization_config"]["modules_to_not_convert"]
     Checkpoint.open(_dir(tiny_ckpt, tmp_path / "b", cj))
