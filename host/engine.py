@@ -136,23 +136,26 @@ class Engine:
 
         ``executor``: ``megakernel`` | ``graph`` | ``cpu``; None = graph when a GPU is present (the faster of the two
         bit-identical GPU paths, measured), else cpu.
-        ``capacity``: tokens per session slot; None = DEFAULT_CAPACITY (4096), or the model's context
-        (max_position_embeddings) when smaller, as vLLM takes its default length from the model.
+        ``capacity``: tokens per session slot, prompt and reply together, at least 2 (vLLM's prompt + generated
+        <= max_model_len with a prompt of at least 1 token and at least one generated token); None =
+        DEFAULT_CAPACITY (4096), or the model's context (max_position_embeddings) when smaller, as vLLM takes its
+        default length from the model.
         ``seed``: of the synthetic weights of a preset.
         Raises ModelLoadError (bad directory, failed validation), InvalidArgument (a ``path_or_preset`` that is not a
-        str / Path, an unknown executor name, ``slots`` < 1, a capacity above the model's context or one whose
-        state does not fit in memory), ExecutorUnavailable (a
-        valid executor that cannot run here: a GPU one without a GPU, or the cpu executor, the default without a
-        GPU, for a model too large for it such as the 27B preset). ``quiet`` drops the stderr warning
-        printed for synthetic weights (a preset, or a directory written by ``qwen-mk make-checkpoint``).
+        str / Path, an unknown executor name, ``slots`` < 1, a capacity < 2, one above the model's context or one
+        whose state does not fit in memory), ExecutorUnavailable (a valid executor that cannot run here: a GPU
+        one without a GPU, or the cpu executor, the default without a GPU, for a model too large for it such as the
+        27B preset). ``quiet`` drops the stderr warning printed for synthetic weights (a preset, or a directory
+        written by ``qwen-mk make-checkpoint``).
         """
         kind = executor or default_kind()
         check_kind(kind)  # before reading any weights
         if path_or_preset is not None and not isinstance(path_or_preset, (str, Path)):
             raise InvalidArgument(f"path_or_preset: expected a checkpoint directory (str or Path) or a preset name, "
                                   f"got {type(path_or_preset).__name__} {path_or_preset!r}")
-        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
-            raise InvalidArgument(f"capacity: expected a positive integer, got {capacity!r}")
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 2):
+            raise InvalidArgument(f"capacity: expected an integer >= 2 (the session holds the prompt, at least 1 "
+                                  f"token, and at least one generated token), got {capacity!r}")
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise InvalidArgument(f"slots: expected a positive integer (sessions open at once), got {slots!r}")
         model_dir, synthetic = _resolve_model(path_or_preset, seed, quiet, kind, defaulted=executor is None)

@@ -34,13 +34,14 @@ class InvalidTokenId(EngineError):
 
 class InvalidArgument(EngineError):
     """An argument of the Python API or the CLI that is of the wrong type, out of range or inconsistent with the
-    engine, raised before any work: a sampling parameter (``SamplingParams``: temperature < 0, top_k < 0, top_p
-    outside (0, 1], seed < 0); ``max_new_tokens`` < 1 or not below the session capacity / model context
-    (``host.sampling.check_generation_args``); an empty stop string; an unknown executor name; a ``capacity``
-    that is not positive, exceeds the model's context or does not fit in host / GPU memory; ``slots`` < 1; a
-    ``path_or_preset`` that is not a str / Path; a ``chat`` conversation that is not a list of messages or that
-    the chat template cannot render; prompt ids that are not a sequence of ints; text (a prompt, a chat message,
-    the CLI's ``--system`` or a chat input line) that is not valid UTF-8."""
+    engine, raised before any work: a sampling parameter (``SamplingParams``: temperature < 0 or not finite,
+    top_k < 0, top_p outside (0, 1], seed < 0, a bool for any of them); ``max_new_tokens`` < 1 or not below the
+    session capacity / model context (``host.sampling.check_generation_args``); an empty stop string; an unknown
+    executor name; a ``capacity`` below 2 (no room for a prompt token and a reply), above the model's context or
+    too large for host / GPU memory; ``slots`` < 1; a ``path_or_preset`` that is not a str / Path; a ``chat``
+    conversation that is not a list of messages or that the chat template cannot render; prompt ids that are not a
+    sequence of ints; text (a prompt, a chat message, the CLI's ``--system`` or a chat input line) that is not
+    valid UTF-8."""
 
     exit_code = 2
 
@@ -59,17 +60,23 @@ class ExecutorUnavailable(EngineError):
 
 class GenerationInterrupted(EngineError):
     """A generation stopped by KeyboardInterrupt. A session from ``Engine.new_session()`` stays usable (its state
-    is rolled back); a one-shot ``Engine.generate`` / ``chat`` keeps nothing of it (its session is closed)."""
+    is rolled back); a one-shot ``Engine.generate`` / ``chat`` keeps nothing of it (its session is closed): the
+    deltas streamed before are all there is. ``tokens``: how many were generated before the interrupt (None where
+    not known). The Generation has no result: ``result()`` / ``text`` raise it again."""
 
     exit_code = 130
+
+    def __init__(self, message: str, tokens: int | None = None):
+        super().__init__(message)
+        self.tokens = tokens
 
 
 class IgnoredArgumentWarning(UserWarning):
     """Warning, not an error (``warnings.warn``; the call goes on): generation arguments that were given but have
     no effect and are ignored. Issued by ``host.sampling.check_generation_args`` (``Session.generate``,
-    ``Engine.generate`` / ``chat``) for top_k, top_p or seed under greedy decoding (temperature 0), which vLLM
-    ignores too; the CLI prints it as a ``qwen-mk: warning:`` line. ``names``: the ignored arguments, in
-    signature order. Silence with ``warnings.simplefilter("ignore", IgnoredArgumentWarning)``."""
+    ``Engine.generate`` / ``chat``) for top_k, top_p or seed under greedy decoding (temperature below 1e-5, 0
+    included), which vLLM ignores too; the CLI prints it as a ``qwen-mk: warning:`` line. ``names``: the ignored
+    arguments, in signature order. Silence with ``warnings.simplefilter("ignore", IgnoredArgumentWarning)``."""
 
     def __init__(self, message: str, names: tuple[str, ...] = ()):
         super().__init__(message)

@@ -2,7 +2,8 @@
 
 The math lives in the reference ops (``assembler.ref.ops.argmax``: lowest id wins ties;
 ``assembler.ref.ops.sample``: transformers' temperature → top-k (value threshold) → top-p tie rules);
-this module only validates parameters, masks the padding rows and owns the seeded generator
+this module only validates parameters, routes a temperature below SAMPLING_EPS (1e-5, vLLM's rule) to the
+argmax, masks the padding rows and owns the seeded generator
 (``numpy.random.Generator(PCG64(seed))``), so a (prompt, params, seed) triple always gives the same tokens.
 It also holds the argument checks the Python API and the CLI share (``check_generation_args``, ``check_text``).
 """
@@ -21,13 +22,46 @@ from host.errors import IgnoredArgumentWarning, InvalidArgument
 from loader.config import FIRST_PADDING_ID
 
 DEFAULT_MAX_NEW_TOKENS = 256  # max_new_tokens when not given (API and CLI), lowered to a smaller capacity - 1
+SAMPLING_EPS = 1e-5  # a temperature below this is greedy decoding (vLLM's _SAMPLING_EPS): logits / T overflows
+_EPS_TEXT = f"{SAMPLING_EPS:.0e}".replace("e-0", "e-")  # "1e-5" in messages
 _HOST_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _real(v) -> bool:
+    """A real number of Python or NumPy (``np.float32(0.5)``, ``np.int64(1)``), not a bool (``True`` is an int to
+    Python, never a sampling value)."""
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+
+
+def _integer(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _as_python(v):
+    """A NumPy scalar as the Python int / float of the same value (results and ``--json`` hold plain numbers)."""
+    return int(v) if isinstance(v, np.integer) else float(v) if isinstance(v, np.floating) else v
+
+
+def _shown(v) -> str:
+    """``repr(v)``, cut short when long (an int such as 10**400 has 401 digits)."""
+    r = repr(v)
+    return r if len(r) <= 40 else f"{r[:20]}... ({len(r)} characters)"
+
+
+def _finite(v) -> bool:
+    """``v`` converts to a finite float (an int too large for a float, such as 10**400, does not)."""
+    try:
+        return bool(np.isfinite(float(v)))
+    except OverflowError:
+        return False
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 = greedy; top_k None/0 and top_p None/1.0 disable those filters; seed None = fresh entropy
-    (the seed actually drawn is recorded in the result, so any run can be replayed). Raises InvalidArgument."""
+    """temperature 0 = greedy, and so is any temperature below 1e-5 (SAMPLING_EPS, vLLM's rule: dividing the
+    logits by a smaller one overflows); top_k None/0 and top_p None/1.0 disable those filters; seed None = fresh
+    entropy (the seed actually drawn is recorded in the result, so any run can be replayed). Numbers may be Python
+    or NumPy scalars (stored as Python numbers); booleans are refused. Raises InvalidArgument."""
 
     temperature: float = 0.0
     top_k: int | None = None
@@ -35,19 +69,22 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        t, k, p = self.temperature, self.top_k, self.top_p
-        if not isinstance(t, (int, float)) or not np.isfinite(t) or t < 0:
-            raise InvalidArgument(f"temperature: expected a finite number >= 0, got {t!r}")
-        if k is not None and (not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 0):
+        t, k, p, seed = self.temperature, self.top_k, self.top_p, self.seed
+        if not _real(t) or not _finite(t) or t < 0:
+            raise InvalidArgument(f"temperature: expected a finite number >= 0, got {_shown(t)}")
+        if k is not None and (not _integer(k) or k < 0):
             raise InvalidArgument(f"top_k: expected an integer >= 0 (0 = off), got {k!r}")
-        if p is not None and (not isinstance(p, (int, float)) or not 0.0 < p <= 1.0):
-            raise InvalidArgument(f"top_p: expected a number in (0, 1], got {p!r}")
-        if self.seed is not None and (not isinstance(self.seed, (int, np.integer)) or self.seed < 0):
-            raise InvalidArgument(f"seed: expected an integer >= 0, got {self.seed!r}")
+        if p is not None and (not _real(p) or not 0.0 < p <= 1.0):
+            raise InvalidArgument(f"top_p: expected a number in (0, 1], got {_shown(p)}")
+        if seed is not None and (not _integer(seed) or seed < 0):
+            raise InvalidArgument(f"seed: expected an integer >= 0, got {seed!r}")
+        for name in ("temperature", "top_k", "top_p", "seed"):
+            object.__setattr__(self, name, _as_python(getattr(self, name)))
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Greedy decoding: temperature below SAMPLING_EPS (0 included)."""
+        return self.temperature < SAMPLING_EPS
 
 
 def check_generation_args(params: SamplingParams, max_new_tokens: int | None, capacity: int,
@@ -63,15 +100,15 @@ def check_generation_args(params: SamplingParams, max_new_tokens: int | None, ca
     messages name CLI flags (``--capacity``) instead of Python arguments.
 
     Raises InvalidArgument when ``max_new_tokens`` is not an integer >= 1 or exceeds ``context`` - 1 or
-    ``capacity`` - 1 (a ``capacity`` < 1 is left to ``Engine.load``'s check). The arithmetic is vLLM's prompt +
-    generated <= max_model_len (the session loop's too) with the shortest prompt, one token: the prompt itself is
-    not counted here, since a session's prompt is the whole conversation (earlier turns included), unknown to the
-    CLI before the model loads, and a reply that fills the session ends with finish_reason ``length``,
-    finish_detail ``capacity``.
+    ``capacity`` - 1 (a ``capacity`` < 2, which leaves no room for a reply, is refused by ``Engine.load`` and the
+    CLI's ``--capacity`` type before this runs). The arithmetic is vLLM's prompt + generated <= max_model_len (the
+    session loop's too) with the shortest prompt, one token: the prompt itself is not counted here, since a
+    session's prompt is the whole conversation (earlier turns included), unknown to the CLI before the model
+    loads, and a reply that fills the session ends with finish_reason ``length``, finish_detail ``capacity``.
 
     Warns (``warnings.warn``, IgnoredArgumentWarning naming the arguments, attributed to the first caller outside
-    ``host/``) when decoding is greedy (temperature 0) and top_k (other than 0 = off), top_p (other than 1.0 =
-    off) or seed is given: they have no effect there (vLLM ignores them too).
+    ``host/``) when decoding is greedy (temperature below SAMPLING_EPS, 0 included) and top_k (other than 0 =
+    off), top_p (other than 1.0 = off) or seed is given: they have no effect there (vLLM ignores them too).
     """
     n = max_new_tokens
     if n is None:
@@ -96,9 +133,11 @@ def check_generation_args(params: SamplingParams, max_new_tokens: int | None, ca
         if names:
             shown = ["--" + x.replace("_", "-") for x in names] if cli else names
             listed = shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " and " + shown[-1]
+            t = "--temperature" if cli else "temperature"
+            why = f"{t} 0" if params.temperature == 0 else f"{t} {params.temperature!r}, below {_EPS_TEXT}"
             msg = (f"{listed} {'has' if len(shown) == 1 else 'have'} no effect under greedy decoding "
-                   + ("(--temperature 0); give --temperature > 0 to sample" if cli else
-                      f"(temperature 0) and {'is' if len(shown) == 1 else 'are'} ignored; pass temperature > 0 "
+                   + (f"({why}); give {t} >= {_EPS_TEXT} to sample" if cli else
+                      f"({why}) and {'is' if len(shown) == 1 else 'are'} ignored; pass {t} >= {_EPS_TEXT} "
                       "to sample"))
             warnings.warn(IgnoredArgumentWarning(msg, tuple(names)), stacklevel=_outside_host_stacklevel())
     return n
@@ -133,7 +172,8 @@ def mask_padding(logits: np.ndarray) -> np.ndarray:
 
 
 class Sampler:
-    """Chooses the next token from one row of logits ([V] bf16, as the executors return them)."""
+    """Chooses the next token from one row of logits ([V] bf16, as the executors return them): the argmax when
+    ``params.greedy`` (temperature below SAMPLING_EPS), else a seeded draw of ``ops.sample``."""
 
     def __init__(self, params: SamplingParams):
         self.params = params

@@ -100,6 +100,7 @@ class Generation:
     def __init__(self, body: Callable[["Generation"], Iterator[Delta]]):
         self._result: GenerationResult | None = None
         self._closed = False  # close() called (a Generation closed before it started never runs its body)
+        self._interrupted: GenerationInterrupted | None = None  # the Ctrl-C that ended the body, if one did
         # The body sees a weak proxy: no reference cycle, so dropping the Generation closes its running body at
         # once (CPython refcounting), not at the next cyclic garbage collection.
         self._it = body(weakref.proxy(self))
@@ -108,16 +109,23 @@ class Generation:
         return self
 
     def __next__(self) -> Delta:
-        return next(self._it)
+        try:
+            return next(self._it)
+        except GenerationInterrupted as e:  # the body is over: result() / text say why, not "closed"
+            self._interrupted = e
+            raise
 
     def close(self) -> None:
         self._closed = True
         self._it.close()
 
     def result(self) -> GenerationResult:
-        for _ in self._it:
+        for _ in self:
             pass
         if self._result is None:
+            if self._interrupted is not None:
+                raise GenerationInterrupted(f"this generation was interrupted (Ctrl-C) and has no result: "
+                                            f"{self._interrupted}", self._interrupted.tokens)
             raise EngineError("generation was closed before it finished")
         return self._result
 
@@ -188,6 +196,11 @@ class _StopMatcher:
     def flush(self) -> str:
         out, self.emitted = self.text[self.emitted:], len(self.text)
         return out
+
+
+def tokens_text(n: int) -> str:
+    """``1 token``, ``3 tokens``."""
+    return f"{n} token" + ("" if n == 1 else "s")
 
 
 def session_capacity(engine) -> int:
@@ -350,7 +363,8 @@ class Session:
         full: prompt and generated tokens together reach ``capacity``, vLLM's rule (finish_reason ``stop`` for the
         first two, ``length`` for the others; see GenerationResult). ``max_new_tokens``: at most ``capacity`` - 1
         (the prompt takes at least one token; as the CLI's ``--max-new-tokens``); None = 256, or ``capacity`` - 1
-        when smaller. ``top_k`` / ``top_p`` / ``seed`` act only when sampling (temperature > 0).
+        when smaller. ``temperature``: 0 = greedy, and so is any value below 1e-5 (vLLM's rule). ``top_k`` /
+        ``top_p`` / ``seed`` act only when sampling (temperature >= 1e-5).
         ``checkpoint_at``: extra prompt positions to snapshot (``chat`` passes the start of the generation
         prompt, where a re-rendered history usually diverges).
 
@@ -359,10 +373,11 @@ class Session:
         for a reply: it has ``capacity`` tokens or more, refused as vLLM does);
         InvalidArgument (prompt_ids not a sequence of ints, max_new_tokens not an integer >= 1 or not below
         ``capacity`` or the model's context, a sampling parameter out of range, an empty stop string);
-        EngineError (this session is closed or already generating). Warns IgnoredArgumentWarning when temperature is 0 and top_k, top_p or seed is given (they
-        are ignored; ``host.sampling.check_generation_args``). While running: GenerationInterrupted on
-        KeyboardInterrupt (the session is rolled back to a checkpoint and stays usable; a one-shot
-        ``Engine.generate`` / ``chat`` keeps nothing: its session is closed).
+        EngineError (this session is closed or already generating). Warns IgnoredArgumentWarning when decoding is
+        greedy and top_k, top_p or seed is given (they are ignored; ``host.sampling.check_generation_args``).
+        While running: GenerationInterrupted on KeyboardInterrupt (the session is rolled back to a checkpoint and
+        stays usable; a one-shot ``Engine.generate`` / ``chat`` keeps nothing: its session is closed); the
+        Generation then has no result (``result()`` / ``text`` raise GenerationInterrupted again).
         """
         self._check_open()
         prev = self._pending() if self._pending is not None else None
@@ -434,9 +449,10 @@ class Session:
                     tm.steps += 1
         except KeyboardInterrupt:
             back = self._rewind(len(self.ids))
-            raise GenerationInterrupted(f"generation interrupted after {len(out_ids)} tokens; " + (
-                "nothing of it is kept (a one-shot generation's session is closed)" if self.oneshot else
-                f"the session was rolled back to {back} tokens and stays usable")) from None
+            raise GenerationInterrupted(f"generation interrupted after {tokens_text(len(out_ids))}; " + (
+                "its one-shot session is closed (the deltas streamed before are all there is of it)" if self.oneshot
+                else f"the session was rolled back to {tokens_text(back)} and stays usable"),
+                len(out_ids)) from None
         except GeneratorExit:  # closed at a yield: the state is consistent
             raise
         except BaseException:

@@ -2,7 +2,10 @@
 
 Order as in ``GenerationMixin._get_logits_processor``: temperature, then top-k, then top-p, on fp32 logits
 (``generate`` casts the bf16 logits of the last position to fp32 first).
-- Temperature: ``scores / temperature`` in fp32.
+- Temperature: ``scores / temperature`` in fp32, a temperature outside the fp32 range taken as the largest (or
+  smallest positive) fp32: not inf (-inf / inf is nan) nor 0 (0 / 0 is nan). A score that overflows to +inf (a
+  tiny temperature) takes the limit: the +inf scores share the probability equally. The host decodes greedily
+  below 1e-5 anyway (``host.sampling.SAMPLING_EPS``, vLLM's rule).
 - Top-k (``TopKLogitsWarper``): keep every score ≥ the k-th largest value, so ties at the threshold can make the
   kept set larger than k.
 - Top-p (``TopPLogitsWarper``): sort ascending (stable: among equal scores the lower id comes first), softmax in
@@ -19,8 +22,15 @@ import numpy as np
 from assembler.ref.numerics import f32, need
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY = float(np.finfo(np.float32).smallest_subnormal)
+
+
 def _softmax32(x: np.ndarray) -> np.ndarray:
     m = np.max(x, -1, keepdims=True)
+    if np.isposinf(m).any():  # overflowed scores (inf - inf is nan): the limit keeps only the +inf entries
+        x = np.where(np.isposinf(m), np.where(np.isposinf(x), np.float32(0), np.float32(-np.inf)), x)
+        m = np.max(x, -1, keepdims=True)
     e = np.exp((x - m).astype(np.float32).astype(np.float64)).astype(np.float32)
     s = e.astype(np.float64).sum(-1, keepdims=True).astype(np.float32)
     return (e / s).astype(np.float32)
@@ -37,7 +47,8 @@ def filter_logits(logits: np.ndarray, temperature: float = 1.0, top_k: int | Non
     need(top_p is None or 0.0 < top_p <= 1.0, f"filter_logits: top_p must be in (0, 1], got {top_p}")
     s = np.atleast_2d(f32(logits)).astype(np.float32)
     if temperature != 1.0:
-        s = (s / np.float32(temperature)).astype(np.float32)
+        with np.errstate(over="ignore"):  # an overflow to +inf is handled by _softmax32
+            s = (s / np.float32(min(max(temperature, _F32_TINY), _F32_MAX))).astype(np.float32)
     V = s.shape[-1]
     if top_k:
         kth = -np.partition(-s, min(top_k, V) - 1, axis=-1)[:, min(top_k, V) - 1:min(top_k, V)]

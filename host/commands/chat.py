@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import click
 
-from host.commands.generate import (ERROR, check_model_args, check_sampling_args, gen_kwargs, handle_errors,
-                                   load_engine, model_options, sampling_options, timing_line, warned_already)
+from host.commands.generate import (ERROR, check_against_model, check_model_args, check_sampling_args, gen_kwargs,
+                                   handle_errors, load_engine, model_options, sampling_options, timing_line,
+                                   warned_already)
 from host.errors import GenerationInterrupted, InvalidArgument, PromptTooLong
 
 HELP = ("commands: /reset clears the conversation, /exit or /quit ends the chat, /help lists them; "
@@ -48,6 +49,7 @@ def command(system, timings, **kw):
     if system:
         check_text(system, "--system")
     eng = load_engine(kw)
+    check_against_model(eng, kw)
     sess = eng.new_session()
     base = [{"role": "system", "content": system}] if system else []
     messages = list(base)

@@ -21,12 +21,16 @@ from host.executors import KINDS
 from loader.config import PRESETS
 
 DEFAULT_MAX_NEW_TOKENS = 256  # host.sampling.DEFAULT_MAX_NEW_TOKENS (not imported here: it pulls in NumPy)
+SAMPLING_EPS = 1e-5  # host.sampling.SAMPLING_EPS: a temperature below it is greedy decoding
+_EPS_TEXT = f"{SAMPLING_EPS:.0e}".replace("e-0", "e-")  # "1e-5" in help texts
 
 
 def model_options(f):
     """--model/--preset/--executor/--capacity, shared by generate and chat."""
-    f = click.option("--capacity", type=int, default=None, show_default="4096, or the model's context when smaller",
-                     help="Tokens per session (KV cache rows).")(f)
+    f = click.option("--capacity", type=click.IntRange(min=2), default=None,
+                     show_default="4096, or the model's context when smaller",
+                     help="Tokens per session (KV cache rows), prompt and reply together: at least 2 (a prompt of "
+                          "at least 1 token and one generated token).")(f)
     f = click.option("--executor", type=click.Choice(KINDS), default=None,
                      help="Default: graph when a GPU is present (faster today), else cpu.")(f)
     f = click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None,
@@ -53,14 +57,17 @@ def sampling_options(f):
     error (exit 2)."""
     for opt in reversed([
         click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
-                     show_default=f"{DEFAULT_MAX_NEW_TOKENS}, or --capacity - 1 when smaller",
-                     help="At most --capacity - 1 (the session holds the prompt, at least 1 token, and the reply)."),
+                     show_default=f"{DEFAULT_MAX_NEW_TOKENS}, or --capacity - 1 or the model's context - 1 when "
+                                  "smaller",
+                     help="At most --capacity - 1 and the model's context - 1 (the session holds the prompt, at "
+                          "least 1 token, and the reply)."),
         click.option("--temperature", type=FiniteFloatRange(min=0), default=0.0, show_default=True,
-                     help="0 = greedy."),
+                     help=f"0 = greedy; so is any value below {_EPS_TEXT} (vLLM's rule)."),
         click.option("--top-k", type=click.IntRange(min=0), default=None,
-                     help="Keep the k most likely (ties kept); 0 = off. Sampling only (--temperature > 0)."),
+                     help="Keep the k most likely (ties kept); 0 = off. Sampling only (--temperature >= "
+                          f"{_EPS_TEXT})."),
         click.option("--top-p", type=FiniteFloatRange(0, 1, min_open=True), default=None,
-                     help="Nucleus mass in (0, 1]. Sampling only (--temperature > 0)."),
+                     help=f"Nucleus mass in (0, 1]. Sampling only (--temperature >= {_EPS_TEXT})."),
         click.option("--seed", type=click.IntRange(min=0), default=None, help="Sampling seed (printed when drawn)."),
         click.option("--stop", multiple=True, help="Stop string (repeatable); not emitted."),
         click.option("--no-think", is_flag=True, help="Render the prompt with enable_thinking=False."),
@@ -86,8 +93,9 @@ def check_sampling_args(kw: dict) -> None:
     option types refused what is out of range already), --max-new-tokens against --capacity and a preset's
     context (InvalidArgument), and a ``qwen-mk: warning:``
     line on stderr for each IgnoredArgumentWarning it issues (--top-k, --top-p or --seed under greedy decoding,
-    where they have no effect; vLLM ignores them there too). Fills in the default ``kw["max_new_tokens"]``:
-    DEFAULT_MAX_NEW_TOKENS, or --capacity - 1 when smaller."""
+    where they have no effect; vLLM ignores them there too). Leaves an absent ``kw["max_new_tokens"]`` None: the
+    API fills in its default (DEFAULT_MAX_NEW_TOKENS, or --capacity - 1 or the model's context - 1 when smaller)
+    once the model is loaded, since a ``--model DIR``'s context is not known here."""
     from host.sampling import SamplingParams, check_generation_args
 
     p = SamplingParams(kw["temperature"], kw["top_k"], kw["top_p"], kw["seed"])
@@ -101,13 +109,26 @@ def check_sampling_args(kw: dict) -> None:
             kw["capacity"] = cap
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", IgnoredArgumentWarning)
-        kw["max_new_tokens"] = check_generation_args(p, kw["max_new_tokens"], cap, ctx, cli=True,
-                                                     context_of=f"max_position_embeddings of preset {name!r}")
+        check_generation_args(p, kw["max_new_tokens"], cap, ctx, cli=True,
+                              context_of=f"max_position_embeddings of preset {name!r}")
     for w in caught:
         if issubclass(w.category, IgnoredArgumentWarning):
             click.echo(f"qwen-mk: warning: {w.message}", err=True)
         else:  # not ours: let it through as it would have gone
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+
+def check_against_model(eng, kw: dict) -> None:
+    """A given --max-new-tokens against the loaded model (``check_generation_args`` with its context and
+    capacity): a ``--model DIR``'s context is known only now. For ``chat``: InvalidArgument once, before the first
+    turn, rather than a dropped turn each time (``generate``'s one call raises the same by itself)."""
+    if kw["max_new_tokens"] is None:  # the API's default fits the model by construction
+        return
+    from host.sampling import SamplingParams, check_generation_args
+
+    with warned_already():
+        check_generation_args(SamplingParams(kw["temperature"], kw["top_k"], kw["top_p"], kw["seed"]),
+                              kw["max_new_tokens"], eng.executor.capacity, eng.cfg.max_position_embeddings, cli=True)
 
 
 @contextlib.contextmanager
@@ -162,9 +183,18 @@ def timing_line(r) -> str:
     dec = f"decode {t.generated_tokens} tok"
     if t.decode_tokens_per_s:
         dec += f" at {t.decode_tokens_per_s:.2f} tok/s ({1e3 / t.decode_tokens_per_s:.1f} ms/tok)"
-    seed = f" | seed {r.seed}" if r.sampling.get("temperature") else ""
+    seed = f" | seed {r.seed}" if r.sampling.get("temperature", 0) >= SAMPLING_EPS else ""  # drawn when sampling
     return (f"[{pre} | ttft {t.ttft_ms:.1f} ms | {dec} | {t.tokens_per_step:.2f} tok/step | "
             f"finish {finish_text(r)}{seed} | {r.executor_detail}]")
+
+
+def interrupted_oneshot(e: GenerationInterrupted, shown: str) -> GenerationInterrupted:
+    """The CLI's wording of Ctrl-C in a one-shot ``generate``: what was printed (``shown``) is all there is."""
+    from host.session import tokens_text
+
+    after = "" if e.tokens is None else f" after {tokens_text(e.tokens)}"
+    return GenerationInterrupted(f"generation interrupted{after}; the one-shot session is closed ({shown})",
+                                 e.tokens)
 
 
 def read_prompt(prompt: str | None) -> str:
@@ -199,13 +229,16 @@ def command(prompt, raw, as_json, **kw):
 
     check_text(text, "prompt")  # before the model loads
     eng = load_engine(kw)
-    with warned_already():
+    with warned_already():  # generate checks max_new_tokens against the loaded model too (InvalidArgument)
         if raw:
             g = eng.generate(eng.encode(text), **gen_kwargs(kw))
         else:
             g = eng.chat([{"role": "user", "content": text}], enable_thinking=not kw["no_think"], **gen_kwargs(kw))
     if as_json:
-        r = g.result()
+        try:
+            r = g.result()
+        except GenerationInterrupted as e:
+            raise interrupted_oneshot(e, "no JSON was printed") from None
         click.echo(json.dumps(r.to_json(), ensure_ascii=False))
         return
     out = sys.stdout
@@ -216,10 +249,13 @@ def command(prompt, raw, as_json, **kw):
                 out.write(d.text)
                 out.flush()
                 wrote = True
-    except BaseException:
+    except BaseException as e:
         if wrote:  # end the cut-short reply line: the error (stderr) then stands on a line of its own
             out.write("\n")
             out.flush()
+        if isinstance(e, GenerationInterrupted):
+            raise interrupted_oneshot(e, "the text above is all there is" if wrote else "no text was printed") \
+                from None
         raise
     out.write("\n")
     click.echo(timing_line(g.result()), err=True)

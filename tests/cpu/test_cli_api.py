@@ -149,8 +149,11 @@ def test_max_new_tokens_default_fits_a_small_capacity(fake_engine):
 
 
 def test_bad_capacity_is_named_not_max_new_tokens(tiny_ckpt):
+    # --capacity below 2 is now click's usage error naming the option (test_user_review_s6b), no longer the
+    # engine's "capacity: expected a positive integer": still named, and before any max_new_tokens check
     r = run(["generate", "--capacity", "0", "--model", str(tiny_ckpt), "--executor", "cpu", "hi"])
-    assert r.exit_code == InvalidArgument.exit_code and "capacity: expected a positive" in r.stderr, r.output
+    assert r.exit_code == 2 and "Invalid value for '--capacity'" in r.stderr, r.output
+    assert "max_new_tokens" not in r.stderr
 
 
 # ---------------------------------------------------------------------------------------------- synthetic warning

@@ -1,5 +1,6 @@
 """Problems a reviewer found (session 6), each pinned: Ctrl-C in a one-shot ``generate`` / ``chat`` said the
-session "was rolled back ... and stays usable" though a one-shot session is closed (now: nothing of it is kept);
+session "was rolled back ... and stays usable" though a one-shot session is closed (now: its one-shot session is
+closed; the wording was refined again in test_user_review_s6b);
 a session generated one token past vLLM's rule (``--capacity 64`` and a 2-token prompt gave 63 tokens, 65 in
 all; now prompt + generated <= capacity, and max_new_tokens' default and check count the same way); and
 ``--temperature -1`` / ``--top-p 2`` were engine errors (``qwen-mk: error:``) while ``--max-new-tokens 0`` was
@@ -28,7 +29,7 @@ def test_oneshot_interrupt_says_nothing_is_kept(text_layer):
         with pytest.raises(GenerationInterrupted) as e:
             start().result()
         msg = str(e.value)
-        assert msg.startswith("generation interrupted after 2 tokens; nothing of it is kept"), msg
+        assert msg.startswith("generation interrupted after 2 tokens; its one-shot session is closed"), msg
         assert "rolled back" not in msg and "stays usable" not in msg
         assert sorted(eng._free) == [0, 1]                             # its session is closed: the slot is back
     s = eng.new_session()                                              # control: an explicit session is kept
@@ -53,8 +54,8 @@ def test_cli_generate_interrupt_says_nothing_is_kept(fake_engine, monkeypatch):
     monkeypatch.setattr(HashExecutor, "step", ctrl_c)
     r = run(["generate", "--max-new-tokens", "8", "hi"])
     assert r.exit_code == GenerationInterrupted.exit_code, r.output
-    assert r.stderr == "qwen-mk: error: generation interrupted after 3 tokens; nothing of it is kept (a one-shot " \
-                       "generation's session is closed)\n", r.stderr
+    assert r.stderr == "qwen-mk: error: generation interrupted after 3 tokens; the one-shot session is closed " \
+                       "(the text above is all there is)\n", r.stderr
     calls["n"] = 0                                                     # chat keeps its session: says so
     r = run(["chat", "--max-new-tokens", "8", "--no-timings"], input="hi\n/exit\n")
     assert r.exit_code == 0 and "[interrupted: turn dropped, session kept]" in r.stderr, r.output
