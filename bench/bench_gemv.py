@@ -29,14 +29,19 @@ from assembler.ref.numerics import BF16, FP8  # noqa: E402
 from bench.harness import bandwidth, copies_for, result_file, time_rotation  # noqa: E402
 from loader.config import preset  # noqa: E402
 
-# (name, rows, cols, fp8, epilogue, calls per token of the 27B: 48 GDN + 16 attention layers, + lm_head)
+# (name, rows, cols, fp8, epilogue, calls per token of the 27B: 48 GDN + 16 attention layers, + lm_head). The
+# calls are the decode step's launches (discrete/step.py): the GDN in-projection is one launch over the fused
+# in_proj_qkv|z rows ("gdn_in"); its two parts stay timed alone for comparison with earlier runs (0 calls), and
+# in_proj_b|a is computed inside the GDN step, never launched as a GEMV (0 calls; before session 6 its 96 calls
+# were counted, ≈ 0.6 ms of fused launches the step does not make).
 def shapes(cfg):
     h, f, nl = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     ng, na = len(cfg.linear_layers), len(cfg.full_layers)
     return [("gate_up", 2 * f, h, True, "swiglu", nl), ("down", h, f, True, "residual", nl),
-            ("gdn_qkv", cfg.gdn_conv_dim, h, True, "store", ng), ("gdn_z", cfg.gdn_value_dim, h, True, "store", ng),
+            ("gdn_in", cfg.gdn_conv_dim + cfg.gdn_value_dim, h, True, "store", ng),
+            ("gdn_qkv", cfg.gdn_conv_dim, h, True, "store", 0), ("gdn_z", cfg.gdn_value_dim, h, True, "store", 0),
             ("gdn_out", h, cfg.gdn_value_dim, True, "residual", ng),
-            ("in_proj_ab", cfg.linear_num_value_heads, h, False, "store", 2 * ng),
+            ("in_proj_ab", cfg.linear_num_value_heads, h, False, "store", 0),
             ("attn_q", cfg.q_proj_rows, h, True, "store", 0), ("attn_kv", cfg.kv_rows, h, True, "store", 0),
             ("attn_qkv", cfg.q_proj_rows + 2 * cfg.kv_rows, h, True, "store", na),
             ("attn_o", h, cfg.attn_out_dim, True, "residual", na), ("mtp_fc", h, 2 * h, False, "store", 0)]
