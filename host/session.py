@@ -451,7 +451,8 @@ class Session:
             back = self._rewind(len(self.ids))
             raise GenerationInterrupted(f"generation interrupted after {tokens_text(len(out_ids))}; " + (
                 "its one-shot session is closed (the deltas streamed before are all there is of it)" if self.oneshot
-                else f"the session was rolled back to {tokens_text(back)} and stays usable"),
+                else f"the session was rolled back to {tokens_text(back)} (its last checkpoint; the next turn "
+                     "recomputes the conversation from there) and stays usable"),
                 len(out_ids)) from None
         except GeneratorExit:  # closed at a yield: the state is consistent
             raise
