@@ -19,11 +19,9 @@ import numpy as np
 
 from assembler.ref import ops
 from host.errors import IgnoredArgumentWarning, InvalidArgument
+from host.limits import DEFAULT_MAX_NEW_TOKENS, EPS_TEXT, SAMPLING_EPS  # noqa: F401 (re-exported)
 from loader.config import FIRST_PADDING_ID
 
-DEFAULT_MAX_NEW_TOKENS = 256  # max_new_tokens when not given (API and CLI), lowered to a smaller capacity - 1
-SAMPLING_EPS = 1e-5  # a temperature below this is greedy decoding (vLLM's _SAMPLING_EPS): logits / T overflows
-_EPS_TEXT = f"{SAMPLING_EPS:.0e}".replace("e-0", "e-")  # "1e-5" in messages
 _HOST_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
@@ -134,10 +132,10 @@ def check_generation_args(params: SamplingParams, max_new_tokens: int | None, ca
             shown = ["--" + x.replace("_", "-") for x in names] if cli else names
             listed = shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " and " + shown[-1]
             t = "--temperature" if cli else "temperature"
-            why = f"{t} 0" if params.temperature == 0 else f"{t} {params.temperature!r}, below {_EPS_TEXT}"
+            why = f"{t} 0" if params.temperature == 0 else f"{t} {params.temperature!r}, below {EPS_TEXT}"
             msg = (f"{listed} {'has' if len(shown) == 1 else 'have'} no effect under greedy decoding "
-                   + (f"({why}); give {t} >= {_EPS_TEXT} to sample" if cli else
-                      f"({why}) and {'is' if len(shown) == 1 else 'are'} ignored; pass {t} >= {_EPS_TEXT} "
+                   + (f"({why}); give {t} >= {EPS_TEXT} to sample" if cli else
+                      f"({why}) and {'is' if len(shown) == 1 else 'are'} ignored; pass {t} >= {EPS_TEXT} "
                       "to sample"))
             warnings.warn(IgnoredArgumentWarning(msg, tuple(names)), stacklevel=_outside_host_stacklevel())
     return n

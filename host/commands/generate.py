@@ -18,11 +18,9 @@ import click
 
 from host.errors import EngineError, GenerationInterrupted, IgnoredArgumentWarning
 from host.executors import KINDS
+from host.limits import DEFAULT_MAX_NEW_TOKENS, EPS_TEXT, SAMPLING_EPS
 from loader.config import PRESETS
 
-DEFAULT_MAX_NEW_TOKENS = 256  # host.sampling.DEFAULT_MAX_NEW_TOKENS (not imported here: it pulls in NumPy)
-SAMPLING_EPS = 1e-5  # host.sampling.SAMPLING_EPS: a temperature below it is greedy decoding
-_EPS_TEXT = f"{SAMPLING_EPS:.0e}".replace("e-0", "e-")  # "1e-5" in help texts
 
 
 def model_options(f):
@@ -62,12 +60,12 @@ def sampling_options(f):
                      help="At most --capacity - 1 and the model's context - 1 (the session holds the prompt, at "
                           "least 1 token, and the reply)."),
         click.option("--temperature", type=FiniteFloatRange(min=0), default=0.0, show_default=True,
-                     help=f"0 = greedy; so is any value below {_EPS_TEXT} (vLLM's rule)."),
+                     help=f"0 = greedy; so is any value below {EPS_TEXT} (vLLM's rule)."),
         click.option("--top-k", type=click.IntRange(min=0), default=None,
                      help="Keep the k most likely (ties kept); 0 = off. Sampling only (--temperature >= "
-                          f"{_EPS_TEXT})."),
+                          f"{EPS_TEXT})."),
         click.option("--top-p", type=FiniteFloatRange(0, 1, min_open=True), default=None,
-                     help=f"Nucleus mass in (0, 1]. Sampling only (--temperature >= {_EPS_TEXT})."),
+                     help=f"Nucleus mass in (0, 1]. Sampling only (--temperature >= {EPS_TEXT})."),
         click.option("--seed", type=click.IntRange(min=0), default=None, help="Sampling seed (printed when drawn)."),
         click.option("--stop", multiple=True, help="Stop string (repeatable); not emitted."),
         click.option("--no-think", is_flag=True, help="Render the prompt with enable_thinking=False."),
@@ -87,6 +85,13 @@ def check_model_args(kw: dict) -> None:
         raise click.UsageError("give --model DIR or --preset NAME, not both")
 
 
+def _params(kw: dict):
+    """The ``host.sampling.SamplingParams`` of the command's sampling flags (InvalidArgument when out of range)."""
+    from host.sampling import SamplingParams
+
+    return SamplingParams(kw["temperature"], kw["top_k"], kw["top_p"], kw["seed"])
+
+
 def check_sampling_args(kw: dict) -> None:
     """Checks of the sampling flags before the model loads, by the function the Python API runs in
     ``Session.generate`` (``host.sampling.check_generation_args``): their ranges (``SamplingParams``; click's
@@ -96,9 +101,9 @@ def check_sampling_args(kw: dict) -> None:
     where they have no effect; vLLM ignores them there too). Leaves an absent ``kw["max_new_tokens"]`` None: the
     API fills in its default (DEFAULT_MAX_NEW_TOKENS, or --capacity - 1 or the model's context - 1 when smaller)
     once the model is loaded, since a ``--model DIR``'s context is not known here."""
-    from host.sampling import SamplingParams, check_generation_args
+    from host.sampling import check_generation_args
 
-    p = SamplingParams(kw["temperature"], kw["top_k"], kw["top_p"], kw["seed"])
+    p = _params(kw)
     name = kw["preset"] or (None if kw["model_dir"] else "tiny")  # Engine.load's default is the tiny preset
     ctx = PRESETS[name].max_position_embeddings if name in PRESETS else None
     cap = kw["capacity"]
@@ -124,11 +129,11 @@ def check_against_model(eng, kw: dict) -> None:
     turn, rather than a dropped turn each time (``generate``'s one call raises the same by itself)."""
     if kw["max_new_tokens"] is None:  # the API's default fits the model by construction
         return
-    from host.sampling import SamplingParams, check_generation_args
+    from host.sampling import check_generation_args
 
     with warned_already():
-        check_generation_args(SamplingParams(kw["temperature"], kw["top_k"], kw["top_p"], kw["seed"]),
-                              kw["max_new_tokens"], eng.executor.capacity, eng.cfg.max_position_embeddings, cli=True)
+        check_generation_args(_params(kw), kw["max_new_tokens"], eng.executor.capacity,
+                              eng.cfg.max_position_embeddings, cli=True)
 
 
 @contextlib.contextmanager
