@@ -150,7 +150,7 @@ def _seg(cfg, parts, n_out, k, epilogue, out, residual=None, fp8=None, fused_row
 
 def _attn_layer(g: Graph, i: int, x: str, x_mid: str) -> None:
     cfg, m, p = g.cfg, g.m, layer_prefix(g.cfg, i)
-    nq, nkv, hd, grp = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.gqa_group
+    nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     qg = g.buf(f"qg.{i}", (m, cfg.q_proj_rows), "bf16")
     k = g.buf(f"k.{i}", (m, cfg.kv_rows), "bf16")
     v = g.buf(f"v.{i}", (m, cfg.kv_rows), "bf16")
@@ -158,9 +158,9 @@ def _attn_layer(g: Graph, i: int, x: str, x_mid: str) -> None:
     segs = [_seg(cfg, [p + "self_attn.q_proj.weight"], cfg.q_proj_rows, cfg.hidden_size, "store", qg, fused_rows=fr),
             _seg(cfg, [p + "self_attn.k_proj.weight"], cfg.kv_rows, cfg.hidden_size, "store", k, fused_rows=fr),
             _seg(cfg, [p + "self_attn.v_proj.weight"], cfg.kv_rows, cfg.hidden_size, "store", v, fused_rows=fr)]
-    groups = [((0, h * grp * 2 * hd, (h + 1) * grp * 2 * hd), (1, h * hd, (h + 1) * hd), (2, h * hd, (h + 1) * hd))
-              for h in range(nkv)]
-    _gemv(g, f"L{i}.in", i, x, (x, p + "input_layernorm.weight"), segs, groups)
+    # one output group (session 7): per-KV-head groups cut the projection into runs of 1-96 tiles that SMs ran
+    # one after another (docs/megakernel.md); the attention prep then waits for the whole projection
+    _gemv(g, f"L{i}.in", i, x, (x, p + "input_layernorm.weight"), segs)
     o = g.buf(f"o.{i}", (m, cfg.attn_out_dim), "bf16")
     kc = g.buf(f"kcache.{i}", (0, nkv, hd), "bf16", "state")
     vc = g.buf(f"vcache.{i}", (0, nkv, hd), "bf16", "state")
@@ -181,17 +181,15 @@ def _attn_layer(g: Graph, i: int, x: str, x_mid: str) -> None:
 
 def _gdn_layer(g: Graph, i: int, x: str, x_mid: str) -> None:
     cfg, m, p = g.cfg, g.m, layer_prefix(g.cfg, i) + "linear_attn."
-    nk, grp, dk, dv = cfg.linear_num_key_heads, cfg.gdn_head_group, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    kd = cfg.gdn_key_dim
+    nk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     qkv = g.buf(f"qkv.{i}", (m, cfg.gdn_conv_dim), "bf16")
     z = g.buf(f"z.{i}", (m, cfg.gdn_value_dim), "bf16")
     fr = cfg.gdn_conv_dim + cfg.gdn_value_dim
     segs = [_seg(cfg, [p + "in_proj_qkv.weight"], cfg.gdn_conv_dim, cfg.hidden_size, "store", qkv, fused_rows=fr),
             _seg(cfg, [p + "in_proj_z.weight"], cfg.gdn_value_dim, cfg.hidden_size, "store", z, fused_rows=fr)]
-    groups = [((0, h * dk, (h + 1) * dk), (0, kd + h * dk, kd + (h + 1) * dk),
-               (0, 2 * kd + h * grp * dv, 2 * kd + (h + 1) * grp * dv), (1, h * grp * dv, (h + 1) * grp * dv))
-              for h in range(nk)]
-    _gemv(g, f"L{i}.in", i, x, (x, layer_prefix(cfg, i) + "input_layernorm.weight"), segs, groups)
+    # one output group (session 7; before: one per key head, runs of 8-24 tiles that SMs ran one after another,
+    # docs/megakernel.md): every GDN step waits for the whole projection
+    _gemv(g, f"L{i}.in", i, x, (x, layer_prefix(cfg, i) + "input_layernorm.weight"), segs)
     o = g.buf(f"o.{i}", (m, cfg.gdn_value_dim), "bf16")
     conv = g.buf(f"conv.{i}", (cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim - 1), "bf16", "state")
     rec = g.buf(f"rec.{i}", (cfg.linear_num_value_heads, dk, dv), "f32", "state")

@@ -53,6 +53,52 @@ def _gemv_units(op: Op, reduce: bool) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros((0, 6))
 
 
+def _apportion(costs: list[float], caps: list[int], n: int) -> list[int] | None:
+    """SMs per run: one each, then one at a time to the run with the largest bytes per SM (capped at its unit
+    count) — the minimax apportionment. None when there are more runs than SMs."""
+    if len(costs) > n:
+        return None
+    cnt = [1] * len(costs)
+    for _ in range(n - len(costs)):
+        cand = [i for i in range(len(costs)) if cnt[i] < caps[i]]
+        if not cand:
+            break
+        i = max(cand, key=lambda j: (costs[j] / cnt[j], -j))
+        cnt[i] += 1
+    return cnt
+
+
+def _runs(units: np.ndarray) -> list[tuple[int, int]]:
+    """Maximal unit ranges [a, b) of one (group, segment, split) and contiguous rows: the pieces one
+    instruction can cover."""
+    new = np.ones(len(units), bool)
+    new[1:] = np.any(units[1:, :3] != units[:-1, :3], 1) | (units[1:, 3] != units[:-1, 4])
+    starts = np.flatnonzero(new)
+    return list(zip(starts.tolist(), np.append(starts[1:], len(units)).tolist()))
+
+
+def _balanced(load: np.ndarray, units: np.ndarray) -> np.ndarray | None:
+    """SM of each unit with every SM running at most one instruction of the op: the runs (``_runs``) get SMs in
+    proportion to their bytes (``_apportion``), each run is cut into equal contiguous chunks (±1 unit), and the
+    chunks go to the least-loaded SMs first. None when there are more runs than SMs (then ``_water_fill``).
+    Why (session 7, the megakernel's timing build): an op is a barrier for its consumers, so what counts is each
+    op's slowest SM; the cumulative water fill cut runs at (segment, split) and head-group boundaries and gave
+    SMs 2-3 instructions of the in-projection that ran one after another (each bound by its warps' streaming
+    latency, not its bytes)."""
+    runs = _runs(units)
+    cnt = _apportion([float(units[a:b, 5].sum()) for a, b in runs], [b - a for a, b in runs], load.size)
+    if cnt is None:
+        return None
+    order = np.argsort(load, kind="stable")
+    sms = np.empty(len(units), np.int64)
+    k = 0
+    for (a, b), c in zip(runs, cnt):
+        for j in range(c):
+            sms[a + (b - a) * j // c: a + (b - a) * (j + 1) // c] = order[k]
+            k += 1
+    return sms
+
+
 def _water_fill(load: np.ndarray, costs: np.ndarray) -> np.ndarray:
     """SM of each unit: contiguous runs; SM i's share is proportional to its deficit below the new mean."""
     n, total = load.size, float(costs.sum())
@@ -64,8 +110,8 @@ def _water_fill(load: np.ndarray, costs: np.ndarray) -> np.ndarray:
 
 
 class _Builder:
-    def __init__(self, graph: Graph, num_sms: int, fuse_reduce: bool = True):
-        self.g, self.n, self.fuse = graph, num_sms, fuse_reduce
+    def __init__(self, graph: Graph, num_sms: int, fuse_reduce: bool = True, balance: bool = True):
+        self.g, self.n, self.fuse, self.balance = graph, num_sms, fuse_reduce, balance
         self.load = np.zeros(num_sms)
         self.lists: list[list[dict]] = [[] for _ in range(num_sms)]
         self.counters: list[Counter] = []
@@ -182,7 +228,9 @@ class _Builder:
             if not len(units):
                 continue
             self.stage += 1
-            sms = _water_fill(self.load.copy(), units[:, 5])
+            sms = _balanced(self.load, units) if self.balance else None
+            if sms is None:
+                sms = _water_fill(self.load.copy(), units[:, 5])
             key = np.concatenate([sms[:, None], units[:, :3]], 1)
             new = np.ones(len(units), bool)
             new[1:] = np.any(key[1:] != key[:-1], 1) | (units[1:, 3] != units[:-1, 4])
@@ -204,13 +252,15 @@ class _Builder:
                 self.emit(sm, nb, self.counter(oi, "out" if final else "part", gi), **f)
 
 
-def schedule(graph: Graph, num_sms: int, fuse_reduce: bool = True) -> Program:
+def schedule(graph: Graph, num_sms: int, fuse_reduce: bool = True, balance: bool = True) -> Program:
     """Assemble ``graph`` for ``num_sms`` SMs (any count ≥ 1); ``fuse_reduce``: split-K reduce folded into the
-    GEMV instructions (module docstring; False: separate GEMV_REDUCE instructions). Raises ValueError for
-    num_sms < 1 or an instruction that would need more than MAX_WAITS waits."""
+    GEMV instructions (module docstring; False: separate GEMV_REDUCE instructions); ``balance``: each GEMV stage
+    cut so that every SM runs at most one instruction of it, balanced per op (``_balanced``; False: the
+    cumulative water fill of sessions 1-6). Raises ValueError for num_sms < 1 or an instruction that would need
+    more than MAX_WAITS waits."""
     if not isinstance(num_sms, int) or num_sms < 1:
         raise ValueError(f"schedule: num_sms must be an integer ≥ 1, got {num_sms!r}")
-    bld = _Builder(graph, num_sms, fuse_reduce)
+    bld = _Builder(graph, num_sms, fuse_reduce, balance)
     bld.buffer_id = {name: i for i, name in enumerate(graph.buffers)}
     for oi, op in enumerate(graph.ops):
         bld.add_op(oi, op)

@@ -61,7 +61,8 @@ def check_rows(out_u16, w, s, x, rows, S):
 # Earlier sweeps (ringR = QMK_GEMV_RING_MAX, cpB = QMK_GEMV_CP_L2, xbranch = QMK_GEMV_X_MASK) are in the run-4 and
 # run-8 JSON (docs/kernels-gemv.md).
 VARIANTS = {"noM1": {"QMK_GEMV_M1": 0}, "m1ring": {"QMK_GEMV_M1": 1}, "m1reg": {"QMK_GEMV_M1": 2},
-            "m1tma": {"QMK_GEMV_M1": 3}}
+            "m1tma": {"QMK_GEMV_M1": 3}, "tma_kpb2": {"QMK_GEMV_M1": 3, "QMK_GEMV_TMA_KPB": 2},
+            "tma_kpb1": {"QMK_GEMV_M1": 3, "QMK_GEMV_TMA_KPB": 1}}
 LMH_VARIANTS = {"xbranch": {"QMK_GEMV_X_MASK": 2}, "pf0": {"QMK_LD_L2_PREFETCH": 0},
                 "st3mb3pf256": {"QMK_GEMV_STAGES": 3, "QMK_LMH_MIN_BLOCKS": 3, "QMK_LD_L2_PREFETCH": 256}}
 

@@ -44,6 +44,7 @@ TMA_RING = 2         # stages per warp (run 9: 2 fastest at every warp count and
 TMA_WARPS = 20       # ... and slices of at most this many tasks, one per warp of a 640-thread block (gemv.cu
                      # QMK_GEMV_TMA_WARPS; attn q|k|v has 28: spread over 16 warps its partials were faster but
                      # the fused tail, run per task, made the launch 3.6 us slower than the register tile, run 9)
+PY_KNOBS = ("QMK_GEMV_M1", "QMK_GEMV_TMA_KPB")  # launch choices (benchmarks, tests), not NVRTC defines
 FUSE_MAX_SPLIT = 8   # __call__ fuses the reduce for M = 1 and S ≤ this (measured: faster there, slower at M = 8
                      # and at S = 40; docs/kernels-gemv.md run 4)
 
@@ -62,11 +63,14 @@ def ring_depth(tasks_per_slice: int, warps: int, smem_optin: int, ring_max: int 
     return R, used * R * UNIT_BYTES
 
 
-def tma_plan(tasks_per_slice: int, units_per_task: int) -> tuple[int, int]:
+def tma_plan(tasks_per_slice: int, units_per_task: int, kpb: int | None = None) -> tuple[int, int]:
     """(K-blocks per TMA box, warps that take tasks) of an M = 1 TMA launch: boxes of 2 K-blocks (256-byte row
     pieces) when the task's K-block count is even, else 1 (no bytes past the task); one warp per task, at most
-    TMA_WARPS (the kernels' block; more tasks go round-robin) (measured, docs/kernels-gemv.md run 9)."""
-    kpb = 2 if units_per_task % 2 == 0 else 1
+    TMA_WARPS (the kernels' block; more tasks go round-robin) (measured, docs/kernels-gemv.md run 9). ``kpb``
+    forces the box width (1 or 2; 2 on an odd count reads one K-block past each task, unused)."""
+    if kpb is None:
+        kpb = 2 if units_per_task % 2 == 0 else 1
+    _need(kpb in (1, 2), f"gemv: TMA boxes of {kpb} K-blocks; expected 1 or 2")
     return kpb, max(1, min(tasks_per_slice, TMA_WARPS))
 
 
@@ -175,7 +179,7 @@ class Gemv:
         tasks = int((slices[:, 1] - slices[:, 0]).max())
         self.ring, self.smem = ring_depth(tasks, warps, int(optin), ring_max)
         self.counters = cp.zeros(self.n_out // ROW_TILE, cp.uint32)  # fused reduce: arrivals per output tile
-        mod = module(cfg, {k: v for k, v in (defines or {}).items() if k != "QMK_GEMV_M1"})  # Python-only knob
+        mod = module(cfg, {k: v for k, v in (defines or {}).items() if k not in PY_KNOBS})
         kind = "fp8" if self.fp8 else "bf16"
         kname = f"gemv_{kind}_norm_partial" if norm_weight is not None else f"gemv_{kind}_partial"
         raw = mod.get_function(kname)
@@ -195,7 +199,8 @@ class Gemv:
         self.use_m1 = self.m1_kind is not None
         self.tmap, self.tma_warps = None, 0
         if self.m1_kind == "tma":
-            kpb, self.tma_warps = tma_plan(tasks, units)
+            kpb_knob = (defines or {}).get("QMK_GEMV_TMA_KPB")
+            kpb, self.tma_warps = tma_plan(tasks, units, None if kpb_knob is None else int(kpb_knob))
             self.tmap = tensor_map(w, kpb)
             self.ring_m1, self.smem_m1 = TMA_RING, tma_smem(kpb, self.tma_warps)
             xs1 = K * 2 if norm_weight is not None else 0  # M = 1: one normed row (static: double red[20])

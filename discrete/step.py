@@ -89,10 +89,11 @@ class DecodeStep:
     launch categories (:func:`pdl_categories`); the results are bit-identical either way. fuse_norm: run the
     input and post-attention RMSNorms as the prologue of the in-projection / gate|up launches (default) instead of
     as separate kernels; bit-identical either way (with fuse_norm the "norm" category holds only the final norm).
-    Raises ValueError on bad arguments."""
+    gemv_defines: ``defines`` of every ``discrete.gemv.Gemv`` (kernel choices for benchmarks, e.g.
+    ``{"QMK_GEMV_M1": 5}``; the results do not depend on them). Raises ValueError on bad arguments."""
 
     def __init__(self, cfg: ModelConfig, weights, capacity: int, m_rows: int = 1, *, debug_logits: bool = False,
-                 pdl=True, fuse_norm: bool = True):
+                 pdl=True, fuse_norm: bool = True, gemv_defines: dict | None = None):
         import cupy as cp
         if weights.cfg != cfg:
             raise ValueError("DecodeStep: weights were built for another config")
@@ -104,6 +105,7 @@ class DecodeStep:
         self.debug_logits = debug_logits
         self.pdl = pdl_categories(pdl)
         self.fuse_norm = bool(fuse_norm)
+        self.gemv_defines = dict(gemv_defines or {})  # kernel choices of every Gemv (benchmarks; same bits)
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.graph = verify_graph(cfg, MAX_ROWS)     # buffer sizes for up to 8 rows; steps use row prefixes
         self._alloc_arena()
@@ -179,7 +181,7 @@ class DecodeStep:
                 epi = "store" if key == "in" else seg.epilogue
                 nw = {"in": L["in_norm"], "gate_up": L["post_norm"]}.get(key) if self.fuse_norm else None
                 ops[key] = Gemv(cfg, p.w, p.scale, epilogue=epi, split=seg.split, name=f"L{i}.{key}",
-                                pdl=on(cat[key]), norm_weight=nw)
+                                pdl=on(cat[key]), norm_weight=nw, defines=self.gemv_defines or None)
                 if key == "in":
                     ops["in_cuts"] = (p.rows[1], p.rows[2] if len(p.rows) > 3 else p.rows[-1])
             if cfg.layer_types[i] == FULL:

@@ -114,12 +114,14 @@ def build_program(cfg: ModelConfig, m: int, num_sms: int, layer_limit: int | Non
 
 def _cover_waits(prog, ins) -> tuple:
     """Waits that order every read of a GDN_STEP instruction without help from its SM's program order: the
-    final counters of the in-projection groups of its key heads (qkv, z) and of the op that wrote its input
+    final counter(s) of the in-projection (its one group, or the groups of its key heads) and of the op that wrote its input
     x (buf2). (The scheduler's own waits may rely on producers placed earlier on the same SM.)"""
     names = {c.name: i for i, c in enumerate(prog.counters)}
     g = prog.graph
     layer = ins.layer
-    want = [names[f"L{layer}.in.out{h}"] for h in range(ins.row_start, ins.row_end)]
+    groups = len(g.op(f"L{layer}.in").groups)  # one group (session 7) or one per key head
+    want = [names[f"L{layer}.in.out{h if groups > 1 else 0}"] for h in range(ins.row_start, ins.row_end)]
+    want = list(dict.fromkeys(want))
     xname = prog.buffers[ins.buf2].name
     prod = next(oi for oi, op in enumerate(g.ops) if xname in op.writes)
     want += [i for i, c in enumerate(prog.counters) if c.op == prod and c.stage == "out"]

@@ -28,15 +28,15 @@ PRESET, CTX = "qwen3.5-27b", 1024
 
 
 def variants() -> list[tuple[str, bool, dict]]:
-    """(name, fuse_reduce, extra defines) in timing order; the first is the default build. Session 4: the
-    activation load of the GEMV tile unmasked (QMK_GEMV_X_MASK=0) or branched as before (2); tiles built for
-    M = 1 (QMK_MK_M1)."""
+    """(name, fuse_reduce, extra defines) in timing order; the first is the default build. Session 7 runs (after
+    the per-op balanced schedule, docs/megakernel.md; JSON in bench/probes/run11/) measured and rejected: the
+    GEMV code as real calls (QMK_MK_GEMV_NOINLINE), the GDN state and a/b rows prefetched into L2 an instruction
+    ahead (QMK_MK_GDN_L2), a GEMV's weight slice bulk-prefetched into L2 before its waits (QMK_MK_L2_SLICE) —
+    patches in bench/probes/rejected_mk_*.patch — and, no gain, the GDN step's interleaved warp sums (CH 4 / 8).
+    Earlier sessions' variants are in docs/megakernel.md."""
     return [
-        ("xbranch_s3", False, {"QMK_GEMV_X_MASK": 2}),
-        ("xnomask", False, {"QMK_GEMV_X_MASK": 0}),
-        ("xnomask_m1", False, {"QMK_GEMV_X_MASK": 0, "QMK_MK_M1": 1}),
-        ("xnomask_m1_ring2", False, {"QMK_GEMV_X_MASK": 0, "QMK_MK_M1": 1, "QMK_MK_RING": 2}),
-        ("xbranch_m1", False, {"QMK_GEMV_X_MASK": 2, "QMK_MK_M1": 1}),
+        ("default", False, {}),
+        ("fused", True, {}),
     ]
 
 

@@ -131,17 +131,42 @@ def test_deterministic_and_bad_input():
         verify_graph(preset("tiny"), 1, layer_limit=99)
 
 
+def _gemv_op_balance(p):
+    """Per GEMV op and stage: (max bytes on one SM / mean over the SMs, most instructions on one SM)."""
+    per, cnt = {}, {}
+    for sm, (lst, bs) in enumerate(zip(p.sm_lists, p.item_bytes)):
+        for ins, b in zip(lst, bs):
+            if ins.opcode in (Opcode.GEMV, Opcode.GEMV_REDUCE):
+                key = (p.graph.ops[ins.op].name, ins.opcode)
+                per.setdefault(key, np.zeros(p.num_sms))[sm] += b
+                cnt.setdefault(key, np.zeros(p.num_sms, int))[sm] += 1
+    return {k: (float(v.max() / v.mean()), int(cnt[k].max())) for k, v in per.items()}
+
+
 def test_bytes_balanced_27b_subset():
-    p = schedule(decode_graph(preset("qwen3.5-27b"), layer_limit=4), 132)
+    """Session 7: every GEMV stage is balanced per op (each op is a barrier for its consumers) with one
+    instruction per SM; the cumulative byte balance is then looser (GDN / attention items stay whole). gate|up
+    (1,088 tile pairs on 132 SMs: 9 vs 8.24) is the worst op. The old cumulative water fill (balance=False)
+    keeps its 2 % cumulative bound but cut ops unevenly (out projection 1.24 × the mean on one SM)."""
+    g = decode_graph(preset("qwen3.5-27b"), layer_limit=4)
+    p = schedule(g, 132)
     st = p.stats()
-    assert st["imbalance"] < 0.02 and (st["bytes_mean"] - st["bytes_min"]) / st["bytes_mean"] < 0.02, st
+    assert st["imbalance"] < 0.05 and (st["bytes_mean"] - st["bytes_min"]) / st["bytes_mean"] < 0.05, st
     assert st["est_critical_path_ms"] >= st["floor_ms"] * 0.999
+    bal = _gemv_op_balance(p)
+    assert bal and all(r <= 1.10 and n == 1 for r, n in bal.values()), bal
+    old = schedule(g, 132, balance=False)
+    st = old.stats()
+    assert st["imbalance"] < 0.02 and (st["bytes_mean"] - st["bytes_min"]) / st["bytes_mean"] < 0.02, st
+    assert max(r for r, _ in _gemv_op_balance(old).values()) > 1.2  # what the per-op cut fixes
 
 
 @pytest.mark.slow
 def test_bytes_balanced_27b_full():
-    st = schedule(decode_graph(preset("qwen3.5-27b")), 132).stats()
-    assert st["imbalance"] < 0.02 and (st["bytes_mean"] - st["bytes_min"]) / st["bytes_mean"] < 0.02, st
+    p = schedule(decode_graph(preset("qwen3.5-27b")), 132)
+    st = p.stats()
+    assert st["imbalance"] < 0.05 and (st["bytes_mean"] - st["bytes_min"]) / st["bytes_mean"] < 0.05, st
+    assert all(r <= 1.10 and n == 1 for r, n in _gemv_op_balance(p).values())
 
 
 def test_mtp_graph_schedules():
@@ -225,3 +250,19 @@ def test_attention_spreads_over_the_sms_and_waits_narrowly():
         assert ins.row_end - ins.row_start == 1
     for s, ins in seen[Opcode.ATTN_REDUCE]:
         assert [name(c) for c, _, _ in ins.waits] == [f"L{L}.attn.values{ins.row_start // G}"]
+
+
+def test_balanced_cut_apportions_runs_and_falls_back():
+    """The per-op cut (session 7): runs get SMs by bytes (minimax), never more SMs than units, every SM at most
+    one run; more runs than SMs → None (the caller falls back to the water fill)."""
+    from assembler.scheduler import _apportion, _balanced
+    assert _apportion([10.0, 1.0, 1.0], [8, 8, 8], 5) == [3, 1, 1]
+    assert _apportion([10.0, 1.0], [2, 8], 6) == [2, 4]  # capped at its 2 units; the rest go where bytes remain
+    assert _apportion([1.0, 1.0, 1.0], [1, 1, 1], 2) is None
+    # units: (group, seg, split, row0, row1, bytes): run A = 6 tiles of split 0, run B = 2 tiles of split 1
+    u = np.array([[0, 0, 0, 16 * i, 16 * i + 16, 100] for i in range(6)] +
+                 [[0, 0, 1, 16 * i, 16 * i + 16, 100] for i in range(2)], np.float64)
+    sms = _balanced(np.zeros(4), u)
+    assert sorted(np.bincount(sms, minlength=4).tolist()) == [2, 2, 2, 2]
+    assert all(len(set(sms[u[:, 2] == s].tolist()) & set(sms[u[:, 2] != s].tolist())) == 0 for s in (0, 1))
+    assert _balanced(np.zeros(1), u) is None
