@@ -1,10 +1,15 @@
 """Cut every op of a graph into per-SM slices, order each SM's list, and derive counter waits.
 
 Partition (DESIGN.md, "both paths share the work partition"): a GEMV op is a sequence of units (one 16-row
-tile of one split of one segment, in group → segment range → split → tile order); units are handed out as
-contiguous runs so that each SM's cumulative bytes approach the mean (water filling: an SM that carried a
-heavy GDN / attention slice gets fewer GEMV rows next). Split-K comes from ``assembler.numerics.split_k`` via
-the graph, never from the SM count. GDN steps (per key head), embed and argmax are whole items given to the
+tile of one split of one segment, in group → segment range → split → tile order). By default (``balance``,
+session 7) each GEMV stage is cut per op: its runs of one (group, segment, split) get SMs in proportion to their
+bytes and each run is cut into equal contiguous chunks, so every SM runs at most one instruction of the op and
+the op's slowest SM carries ≤ 1 unit more than the mean (every op is a barrier for its consumers, so the per-op
+maximum is what the step pays). ``balance=False`` (sessions 1-6, and the fallback when an op has more runs than
+SMs): contiguous runs so that each SM's cumulative bytes approach the mean (water filling: an SM that carried a
+heavy GDN / attention slice gets fewer GEMV rows next), which cut the 27B in-projection into 2-3 instructions per
+SM that ran one after another (docs/megakernel.md, session 7). Split-K comes from ``assembler.numerics.split_k``
+via the graph, never from the SM count. GDN steps (per key head), embed and argmax are whole items given to the
 least-loaded SM. Attention is four stages (prep per KV head; scores and values per run of split-KV partitions
 of one KV head; reduce per run of query heads), each stage's instructions on distinct SMs; the partition count
 P = ``numerics.attn_partitions`` is fixed by the shape, so the cut changes only who computes which partition.
