@@ -90,7 +90,7 @@ class DecodeStep:
     input and post-attention RMSNorms as the prologue of the in-projection / gate|up launches (default) instead of
     as separate kernels; bit-identical either way (with fuse_norm the "norm" category holds only the final norm).
     gemv_defines: ``defines`` of every ``discrete.gemv.Gemv`` (kernel choices for benchmarks, e.g.
-    ``{"QMK_GEMV_M1": 5}``; the results do not depend on them). Raises ValueError on bad arguments."""
+    ``{"QMK_GEMV_TMA_KPB": 2}``; the results do not depend on them). Raises ValueError on bad arguments."""
 
     def __init__(self, cfg: ModelConfig, weights, capacity: int, m_rows: int = 1, *, debug_logits: bool = False,
                  pdl=True, fuse_norm: bool = True, gemv_defines: dict | None = None):

@@ -95,10 +95,10 @@ def mk_defines(cfg: ModelConfig, timing: bool = False, extra: dict | None = None
 
 def ring_slots(cfg: ModelConfig) -> int:
     """GEMV weight-ring slots per warp (2 KB each, 16 warps), at most RING_MAX, that fit beside the normed-input
-    buffer and the union scratch in SMEM_LIMIT (an upper estimate of the scratch; the kernel static_asserts the
-    total)."""
+    buffer and the union scratch in SMEM_LIMIT (an upper estimate of the scratch, the GDN's silu(z) rows included;
+    the kernel static_asserts the total)."""
     nkb = cfg.hidden_size // 128
-    gdn = 2 * MAX_ROWS * 128 * 4 * 2 + MAX_ROWS * 2 * nkb * 4 + 64 + MAX_ROWS * 128 * 4
+    gdn = 2 * MAX_ROWS * 128 * 4 * 2 + MAX_ROWS * 2 * nkb * 4 + 64 + MAX_ROWS * 128 * 4 + (MAX_ROWS + 1) * 32 * 16
     att = MAX_ROWS * cfg.gqa_group * 4 * 2 + cfg.gqa_group * cfg.head_dim * 8 + 2 * cfg.gqa_group * 256 * 2
     base = MAX_ROWS * cfg.hidden_size * 2 + max(gdn, att, MAX_ROWS * 2 * 256 * 4) + 1024
     return int(min(RING_MAX, max(0, (SMEM_LIMIT - base) // (16 * 2048))))
@@ -114,8 +114,8 @@ def build_program(cfg: ModelConfig, m: int, num_sms: int, layer_limit: int | Non
 
 def _cover_waits(prog, ins) -> tuple:
     """Waits that order every read of a GDN_STEP instruction without help from its SM's program order: the
-    final counter(s) of the in-projection (its one group, or the groups of its key heads) and of the op that wrote its input
-    x (buf2). (The scheduler's own waits may rely on producers placed earlier on the same SM.)"""
+    final counter(s) of the in-projection (its one group, or the groups of its key heads) and of the op that
+    wrote its input x (buf2). (The scheduler's own waits may rely on producers placed earlier on the same SM.)"""
     names = {c.name: i for i, c in enumerate(prog.counters)}
     g = prog.graph
     layer = ins.layer

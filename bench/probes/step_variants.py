@@ -2,10 +2,11 @@
 ``python3 -m bench.probes.step_variants [--out DIR] [--reps 30] [--rounds 3] [--steps 8]`` (device; JSON to --out).
 
 Each variant is a ``DecodeStep(..., gemv_defines=...)`` on the same 27B synthetic weights (``QMK_GEMV_M1`` picks the
-M = 1 kernels, -1 the rule of discrete/gemv.py; ``QMK_GEMV_TMA_KPB`` the TMA box width in K-blocks). Gate before timing: from the same state, ``--steps`` greedy graph replays of
-every variant give the default's tokens and bit-identical final hidden rows (a variant that does not is reported and
-not timed). Timing: ``--rounds`` rounds, each timing every variant's graph (median of ``--reps`` replays, CUDA
-events, context 1024), interleaved so drift shows as a round-to-round difference. Writes ``step_variants.json``.
+M = 1 kernels, -1 the rule of discrete/gemv.py; ``QMK_GEMV_TMA_KPB`` the TMA box width in K-blocks). Gate before
+timing: from the same state, ``--steps`` greedy graph replays of every variant give the default's tokens and
+bit-identical final hidden rows (a variant that does not is reported and not timed). Timing: ``--rounds`` rounds,
+each timing every variant's graph (median of ``--reps`` replays, CUDA events, context 1024), interleaved so drift
+shows as a round-to-round difference. Writes ``step_variants.json``.
 """
 from __future__ import annotations
 
