@@ -1,10 +1,15 @@
 """An assembled program: per-SM instruction lists packed as ``[num_sms, max_len, WORDS]`` int32, the counter
 table, the buffer table and the weight table; text / JSON dumps and stats.
 
-Stats: instructions and bytes per SM, byte imbalance ((max − mean) / mean), number of waits, and an estimated
-critical path: each instruction streams its bytes at the SM's share of the measured 4,468 GB/s
-(``shared/spec/h200.md``: HBM read bandwidth) and starts when its SM is free and its waits are met. It is an
-estimate (no latency, no L2, no counter cost), meant for comparing schedules.
+Stats: instructions and bytes per SM, byte imbalance ((max − mean) / mean), number of waits, and two estimated
+critical paths, each instruction starting when its SM is free and its waits are met:
+``est_critical_path_ms`` streams every instruction's bytes at the SM's share of the measured 4,468 GB/s
+(``shared/spec/h200.md``: HBM read bandwidth; no latency, no counter cost); ``est_step_ms`` adds the megakernel's
+measured per-instruction costs (``MK_*`` below, calibrated on its H200 timing build, session 7): a fixed cost per
+instruction, a GEMV instruction no faster than one warp's serial K-blocks, GEMV streaming at the rate measured, and
+the GDN / attention instructions' measured times. On the 27B decode program (value heads split as the runner
+does) the session-6 and session-7 schedules measured 15.04 and 12.74 ms per token; the first estimate gives 6.81 and
+6.60 ms, the second 12.96 and 11.56 ms. Both are estimates meant for comparing schedules.
 """
 from __future__ import annotations
 
@@ -22,6 +27,15 @@ STAGE_OPCODES = {"main": {Opcode.EMBED, Opcode.GEMV, Opcode.GDN_STEP, Opcode.ATT
                  "reduce": {Opcode.GEMV_REDUCE, Opcode.ATTN_REDUCE}, "scores": {Opcode.ATTN_SCORES},
                  "values": {Opcode.ATTN_VALUES}}
 HBM_BYTES_PER_S = 4468e9  # measured, shared/spec/h200.md
+# est_step_ms's instruction costs, measured on the H200 (megakernel timing build at 1dc80fb, 27B, context 1024,
+# bench/results/megakernel_timings.json; docs/megakernel.md session 7):
+MK_FIXED_S = 1.9e-6    # any instruction: wait, barrier, bump (NOP program 0.95 ms over the longest SM's ~500)
+MK_KBLOCK_S = 0.75e-6  # one warp's 16-row K-block, serially (in-projection instructions of 8 tiles × 20: ≈ 17 µs)
+MK_GEMV_EFF = 0.72     # GEMV instructions' streaming rate / the SM's share of HBM_BYTES_PER_S (measured 69-75 %)
+MK_WARPS = 16          # GEMV tiles in flight per instruction (one per warp)
+MK_OP_S = {Opcode.GDN_STEP: 21e-6,      # per value head (48 per layer, one SM each)
+           Opcode.ATTN_PREP: 8.3e-6, Opcode.ATTN_SCORES: 12.9e-6, Opcode.ATTN_VALUES: 13.8e-6,
+           Opcode.ATTN_REDUCE: 4.3e-6}  # per instruction at 1k context
 ARENA_ALIGN = 256
 
 
@@ -118,24 +132,45 @@ class Program:
         ni = np.array([len(l) for l in self.sm_lists])
         mean = float(nb.mean()) if nb.size else 0.0
         per_sm_bw = HBM_BYTES_PER_S / self.num_sms
-        sm_t = np.zeros(self.num_sms)
-        done_t = np.zeros(len(self.counters))
-        left = np.array([c.expected for c in self.counters])
         order = self._global_order()
-        for s, j in order:
-            ins = self.sm_lists[s][j]
-            start = max([sm_t[s]] + [done_t[c] for c, _, o in ins.waits if o == 0])
-            sm_t[s] = start + item[s][j] / per_sm_bw
-            if ins.bump >= 0:
-                done_t[ins.bump] = max(done_t[ins.bump], sm_t[s])
-                left[ins.bump] -= 1
+        stream = self._critical_path(order, lambda s, j: item[s][j] / per_sm_bw)
+        step = self._critical_path(order, lambda s, j: self._mk_time(self.sm_lists[s][j], item[s][j], per_sm_bw))
         return {"num_sms": self.num_sms, "instructions": int(ni.sum()), "max_len": int(ni.max(initial=0)),
                 "bytes_total": int(nb.sum()), "bytes_mean": mean, "bytes_max": float(nb.max(initial=0)),
                 "bytes_min": float(nb.min()) if nb.size else 0.0,
                 "imbalance": (float(nb.max()) - mean) / mean if mean else 0.0,
                 "waits": int(sum(i.nwaits for l in self.sm_lists for i in l)), "counters": len(self.counters),
-                "est_critical_path_ms": float(sm_t.max(initial=0)) * 1e3,
+                "est_critical_path_ms": stream * 1e3, "est_step_ms": step * 1e3,
                 "floor_ms": float(nb.sum()) / HBM_BYTES_PER_S * 1e3}
+
+    def _critical_path(self, order: list[tuple[int, int]], dur) -> float:
+        """Seconds until the last instruction ends: each starts when its SM is free and the counters it waits on
+        (offset 0) have all their bumps; ``dur(sm, index)`` is an instruction's time."""
+        sm_t = np.zeros(self.num_sms)
+        done_t = np.zeros(len(self.counters))
+        for s, j in order:
+            ins = self.sm_lists[s][j]
+            start = max([sm_t[s]] + [done_t[c] for c, _, o in ins.waits if o == 0])
+            sm_t[s] = start + dur(s, j)
+            if ins.bump >= 0:
+                done_t[ins.bump] = max(done_t[ins.bump], sm_t[s])
+        return float(sm_t.max(initial=0))
+
+    def _mk_time(self, ins: Instruction, nbytes: float, per_sm_bw: float) -> float:
+        """est_step_ms's time of one instruction (module docstring; MK_* constants)."""
+        if ins.opcode == Opcode.NOP:
+            return MK_FIXED_S
+        if ins.opcode == Opcode.GEMV and ins.w0 in self.weight_segment:
+            seg = self.graph.ops[ins.op].segments[self.weight_segment[ins.w0][1]]
+            tiles = -(-(ins.row_end - ins.row_start) // 16)
+            kb = (seg.k // 128) // max(1, seg.split) * (2 if seg.epilogue == "swiglu" else 1)
+            serial = -(-tiles // MK_WARPS) * kb * MK_KBLOCK_S
+            return max(nbytes / (per_sm_bw * MK_GEMV_EFF), serial) + MK_FIXED_S
+        base = MK_OP_S.get(ins.opcode, 0.0)
+        if ins.opcode == Opcode.GDN_STEP:
+            heads = (ins.row_end - ins.row_start) * self.graph.cfg.gdn_head_group
+            base *= -(-heads // max(1, ins.nsplit))
+        return max(nbytes / per_sm_bw, base) + MK_FIXED_S
 
     def _global_order(self) -> list[tuple[int, int]]:
         """(sm, index) of every instruction in stage order (the order the scheduler assembled them)."""
