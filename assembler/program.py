@@ -9,7 +9,9 @@ measured per-instruction costs (``MK_*`` below, calibrated on its H200 timing bu
 instruction, a GEMV instruction no faster than one warp's serial K-blocks, GEMV streaming at the rate measured, and
 the GDN / attention instructions' measured times. On the 27B decode program (value heads split as the runner
 does) the session-6 and session-7 schedules measured 15.04 and 12.74 ms per token; the first estimate gives 6.81 and
-6.60 ms, the second 12.96 and 11.56 ms. Both are estimates meant for comparing schedules.
+6.60 ms, the second 12.96 and 11.56 ms (GDN per key head: measured 13.87, second estimate 13.58). Not modelled:
+the fused split-K tail (``fuse_reduce=True`` measured 13.74 ms, estimated 11.18), L2, other contexts. Both are
+estimates meant for comparing schedules.
 """
 from __future__ import annotations
 
