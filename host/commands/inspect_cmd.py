@@ -94,5 +94,6 @@ def command(preset_name: str, sms: int, fmt: str, layer_limit: int | None, rows:
     click.echo(f"# bytes per SM: mean {st['bytes_mean'] / 1e6:.3f} MB, max {st['bytes_max'] / 1e6:.3f} MB, "
                f"min {st['bytes_min'] / 1e6:.3f} MB, imbalance {100 * st['imbalance']:.2f} % of the mean; "
                f"est. critical path {st['est_critical_path_ms']:.3f} ms vs floor {st['floor_ms']:.3f} ms "
-               f"(estimate at 4,468 GB/s); est. megakernel step {st['est_step_ms']:.3f} ms (with the per-instruction "
-               f"costs measured on the H200 for the 27B, assembler/program.py)")
+               f"(estimate at 4,468 GB/s); est. megakernel step {st['est_step_ms']:.3f} ms for this program as "
+               f"assembled, GDN steps per key head (per-instruction costs measured on the H200 for the 27B, "
+               f"assembler/program.py; the runner's default splits GDN steps per value head)")
