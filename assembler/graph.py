@@ -158,8 +158,9 @@ def _attn_layer(g: Graph, i: int, x: str, x_mid: str) -> None:
     segs = [_seg(cfg, [p + "self_attn.q_proj.weight"], cfg.q_proj_rows, cfg.hidden_size, "store", qg, fused_rows=fr),
             _seg(cfg, [p + "self_attn.k_proj.weight"], cfg.kv_rows, cfg.hidden_size, "store", k, fused_rows=fr),
             _seg(cfg, [p + "self_attn.v_proj.weight"], cfg.kv_rows, cfg.hidden_size, "store", v, fused_rows=fr)]
-    # one output group (session 7): per-KV-head groups cut the projection into runs of 1-96 tiles that SMs ran
-    # one after another (docs/megakernel.md); the attention prep then waits for the whole projection
+    # one output group (session 7): per-KV-head groups cut the projection into runs of 16-192 tiles and
+    # instructions of 1-28 tiles that SMs ran one after another (docs/megakernel.md); the attention prep then waits
+    # for the whole projection
     _gemv(g, f"L{i}.in", i, x, (x, p + "input_layernorm.weight"), segs)
     o = g.buf(f"o.{i}", (m, cfg.attn_out_dim), "bf16")
     kc = g.buf(f"kcache.{i}", (0, nkv, hd), "bf16", "state")

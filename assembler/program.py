@@ -8,10 +8,10 @@ critical paths, each instruction starting when its SM is free and its waits are 
 measured per-instruction costs (``MK_*`` below, calibrated on its H200 timing build, session 7): a fixed cost per
 instruction, a GEMV instruction no faster than one warp's serial K-blocks, GEMV streaming at the rate measured, and
 the GDN / attention instructions' measured times. On the 27B decode program (value heads split as the runner
-does) the session-6 and session-7 schedules measured 15.04 and 12.74 ms per token; the first estimate gives 6.81 and
-6.60 ms, the second 12.96 and 11.56 ms (GDN per key head: measured 13.87, second estimate 13.58). Not modelled:
-the fused split-K tail (``fuse_reduce=True`` measured 13.74 ms, estimated 11.18), L2, other contexts. Both are
-estimates meant for comparing schedules.
+does) the session-6 (d1703a5) and session-7 programs measured 15.04 and 12.74 ms per token; the first estimate gives
+6.81 and 6.60 ms, the second 13.82 and 11.61 ms (GDN per key head: measured 13.87, second estimate 13.72). Not
+modelled: the fused split-K tail (``fuse_reduce=True`` measured 13.74 ms, estimated 11.23), L2, other contexts.
+Both are estimates meant for comparing schedules.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ MK_FIXED_S = 1.9e-6    # any instruction: wait, barrier, bump (NOP program 0.95 
 MK_KBLOCK_S = 0.75e-6  # one warp's 16-row K-block, serially (in-projection instructions of 8 tiles × 20: ≈ 17 µs)
 MK_GEMV_EFF = 0.72     # GEMV instructions' streaming rate / the SM's share of HBM_BYTES_PER_S (measured 69-75 %)
 MK_WARPS = 16          # GEMV tiles in flight per instruction (one per warp)
-MK_OP_S = {Opcode.GDN_STEP: 21e-6,      # per value head (48 per layer, one SM each)
+MK_OP_S = {Opcode.GDN_STEP: 22e-6,      # per value head (48 per layer, one SM each; 22.1-22.6 µs measured)
            Opcode.ATTN_PREP: 8.3e-6, Opcode.ATTN_SCORES: 12.9e-6, Opcode.ATTN_VALUES: 13.8e-6,
            Opcode.ATTN_REDUCE: 4.3e-6}  # per instruction at 1k context
 ARENA_ALIGN = 256

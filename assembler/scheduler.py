@@ -3,13 +3,14 @@
 Partition (DESIGN.md, "both paths share the work partition"): a GEMV op is a sequence of units (one 16-row
 tile of one split of one segment, in group → segment range → split → tile order). By default (``balance``,
 session 7) each GEMV stage is cut per op: its runs of one (group, segment, split) get SMs in proportion to their
-bytes and each run is cut into equal contiguous chunks, so every SM runs at most one instruction of the op and
-the op's slowest SM carries ≤ 1 unit more than the mean (every op is a barrier for its consumers, so the per-op
-maximum is what the step pays). ``balance=False`` (sessions 1-6, and the fallback when an op has more runs than
-SMs): contiguous runs so that each SM's cumulative bytes approach the mean (water filling: an SM that carried a
-heavy GDN / attention slice gets fewer GEMV rows next), which cut the 27B in-projection into 2-3 instructions per
-SM that ran one after another (docs/megakernel.md, session 7). Split-K comes from ``assembler.numerics.split_k``
-via the graph, never from the SM count. GDN steps (per key head), embed and argmax are whole items given to the
+bytes and each run is cut into equal contiguous chunks (±1 unit within a run), so every SM runs at most one
+instruction of the op (every op is a barrier for its consumers, so the per-op maximum is what the step pays).
+The water fill of sessions 1-6 — contiguous runs so that each SM's cumulative bytes approach the mean (an SM that
+carried a heavy GDN / attention slice gets fewer GEMV rows next) — is used with ``balance=False``, when an op has
+more runs than SMs, and when the per-op cut would load its busiest SM more than ``BALANCE_SLACK`` × the water
+fill's (few SMs). On the 27B with the per-key-head in-projection groups it had, the water fill gave SMs 2-3
+in-projection instructions that ran one after another (docs/megakernel.md, session 7). Split-K comes from
+``assembler.numerics.split_k`` via the graph, never from the SM count. GDN steps (per key head), embed and argmax are whole items given to the
 least-loaded SM. Attention is four stages (prep per KV head; scores and values per run of split-KV partitions
 of one KV head; reduce per run of query heads), each stage's instructions on distinct SMs; the partition count
 P = ``numerics.attn_partitions`` is fixed by the shape, so the cut changes only who computes which partition.
@@ -102,6 +103,16 @@ def _balanced(load: np.ndarray, units: np.ndarray) -> np.ndarray | None:
             sms[a + (b - a) * j // c: a + (b - a) * (j + 1) // c] = order[k]
             k += 1
     return sms
+
+
+BALANCE_SLACK = 1.15  # the per-op cut is kept unless its busiest SM carries more than this × the water fill's
+                      # (with a few SMs more than runs, whole runs land on single SMs: 27B on 13 SMs, 2.8 × the
+                      # mean; on 132 SMs every 27B GEMV stage keeps the per-op cut)
+
+
+def _max_share(sms: np.ndarray, units: np.ndarray, n: int) -> float:
+    """Bytes of the op on its busiest SM under the assignment ``sms``."""
+    return float(np.bincount(sms.astype(np.int64), weights=units[:, 5], minlength=n).max())
 
 
 def _water_fill(load: np.ndarray, costs: np.ndarray) -> np.ndarray:
@@ -233,9 +244,12 @@ class _Builder:
             if not len(units):
                 continue
             self.stage += 1
+            fill = _water_fill(self.load.copy(), units[:, 5])
             sms = _balanced(self.load, units) if self.balance else None
+            if sms is not None and _max_share(sms, units, self.n) > BALANCE_SLACK * _max_share(fill, units, self.n):
+                sms = None  # too few SMs for the op's runs: whole runs would land on single SMs
             if sms is None:
-                sms = _water_fill(self.load.copy(), units[:, 5])
+                sms = fill
             key = np.concatenate([sms[:, None], units[:, :3]], 1)
             new = np.ones(len(units), bool)
             new[1:] = np.any(key[1:] != key[:-1], 1) | (units[1:, 3] != units[:-1, 4])
@@ -261,7 +275,8 @@ def schedule(graph: Graph, num_sms: int, fuse_reduce: bool = True, balance: bool
     """Assemble ``graph`` for ``num_sms`` SMs (any count ≥ 1); ``fuse_reduce``: split-K reduce folded into the
     GEMV instructions (module docstring; False: separate GEMV_REDUCE instructions); ``balance``: each GEMV stage
     cut so that every SM runs at most one instruction of it, balanced per op (``_balanced``; False: the
-    cumulative water fill of sessions 1-6). Raises ValueError for num_sms < 1 or an instruction that would need
+    cumulative water fill of sessions 1-6, which then ran on per-key-head in-projection groups the graph no
+    longer has). Raises ValueError for num_sms < 1 or an instruction that would need
     more than MAX_WAITS waits."""
     if not isinstance(num_sms, int) or num_sms < 1:
         raise ValueError(f"schedule: num_sms must be an integer ≥ 1, got {num_sms!r}")

@@ -270,3 +270,8 @@ def test_balanced_cut_apportions_runs_and_falls_back():
     assert sorted(np.bincount(sms, minlength=4).tolist()) == [2, 2, 2, 2]
     assert all(len(set(sms[u[:, 2] == s].tolist()) & set(sms[u[:, 2] != s].tolist())) == 0 for s in (0, 1))
     assert _balanced(np.zeros(1), u) is None
+    # few SMs (13 for the 27B's 12-run attention in-projection): whole runs would land on single SMs (2.8 × the
+    # mean); the scheduler keeps the water fill there
+    g = decode_graph(preset("qwen3.5-27b"), layer_limit=4)
+    new, old = (_gemv_op_balance(schedule(g, 13, fuse_reduce=False, balance=b)) for b in (True, False))
+    assert max(r for r, _ in new.values()) <= 1.15 * max(r for r, _ in old.values()), (new, old)
