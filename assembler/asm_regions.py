@@ -14,6 +14,11 @@ residual rows the epilogue reads) as its own: a joint write. A consumer is then 
 the verifier allows the S joint writers of a row, one per split, and nothing else. The reduce's reads of the
 other splits' partials are ordered by the tile's arrival counter inside the op, not by a wait:
 :func:`reduce_touches` lists them for the cross-step check only.
+
+GDN steps split over value heads (``megakernel.runner.split_gdn``: ``split`` / ``nsplit`` of a key head's value
+heads): each part owns its value heads' state, conv channels, z and output columns; the key head's q / k conv
+channels are written by the part holding its first value head and read by the others as the previous positions'
+history (:func:`history_reads`, checked across steps).
 """
 from __future__ import annotations
 
@@ -63,11 +68,14 @@ def regions(prog, ins: Instruction) -> tuple[list, list, list]:
                 reads.append((ins.buf2, r0, r1))
         return reads, writes, []
     if ins.opcode == Opcode.GDN_STEP:
-        dk, dv, grp, kd = (cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.gdn_head_group, cfg.gdn_key_dim)
-        chans = [(r0 * dk, r1 * dk), (kd + r0 * dk, kd + r1 * dk), (2 * kd + r0 * grp * dv, 2 * kd + r1 * grp * dv)]
-        vcols = (r0 * grp * dv, r1 * grp * dv)
-        reads = [(ins.buf0, a, b) for a, b in chans] + [(ins.buf1, *vcols), (ins.buf2, 0, W(ins.buf2))]
-        state = [(ins.buf4, a, b) for a, b in chans] + [(ins.buf5, r0 * grp, r1 * grp)]
+        dk, dv, kd = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.gdn_key_dim
+        j0, j1, own = _gdn_part(cfg, ins)
+        qk = [(h * dk, (h + 1) * dk) for h in range(r0, r1)] + [(kd + h * dk, kd + (h + 1) * dk) for h in range(r0, r1)]
+        vch, vcols = (2 * kd + j0 * dv, 2 * kd + j1 * dv), (j0 * dv, j1 * dv)
+        reads = [(ins.buf0, a, b) for a, b in qk + [vch]] + [(ins.buf1, *vcols), (ins.buf2, 0, W(ins.buf2))]
+        state = [(ins.buf4, h * dk, (h + 1) * dk) for h in own] + [(ins.buf4, kd + h * dk, kd + (h + 1) * dk)
+                                                                   for h in own]
+        state += [(ins.buf4, *vch), (ins.buf5, j0, j1)]
         return reads, [(ins.buf3, *vcols)], state
     hd, grp, P = cfg.head_dim, cfg.gqa_group, attn_partitions(cfg)
     if ins.opcode == Opcode.ATTN_PREP:  # KV heads [r0, r1); the KV append is a write of those heads' cache
@@ -89,6 +97,31 @@ def regions(prog, ins: Instruction) -> tuple[list, list, list]:
         reads = [(ins.buf0, r0 * 2 * hd, r1 * 2 * hd), (ins.buf1, h0 * P, h1 * P)]
         return reads, [(ins.buf3, r0 * hd, r1 * hd)], []
     raise ValueError(f"regions: opcode {ins.opcode} has no regions")
+
+
+def _gdn_part(cfg, ins: Instruction) -> tuple[int, int, list]:
+    """Value heads [j0, j1) of a GDN_STEP (part ``split`` of ``nsplit`` of key heads [row_start, row_end), as
+    megakernel.cu mk_gdn picks them) and the key heads whose q / k conv-ring channels it writes: those whose first
+    value head is in the part (gdn.cuh ``writes_qk``)."""
+    grp, r0, r1 = cfg.gdn_head_group, ins.row_start, ins.row_end
+    nv, ns = (r1 - r0) * grp, max(1, ins.nsplit)
+    j0, j1 = r0 * grp + ins.split * nv // ns, r0 * grp + (ins.split + 1) * nv // ns
+    return j0, j1, [h for h in range(r0, r1) if j0 <= h * grp < j1]
+
+
+def history_reads(prog, ins: Instruction) -> list:
+    """Conv-ring channels a GDN_STEP part reads but another part of its key head writes: the q / k channels of
+    its key heads that it does not own (``_gdn_part``). It reads the ring slots of the previous positions, which
+    that owner wrote in an EARLIER step; this step's owner writes the slot of the current position, which the
+    reader does not touch. So the verifier checks these as cross-step reads (the previous step's writer known
+    done), not as same-step reads. [] for any other instruction, and for whole-key-head GDN steps."""
+    if ins.opcode != Opcode.GDN_STEP:
+        return []
+    cfg = prog.graph.cfg
+    dk, kd = cfg.linear_key_head_dim, cfg.gdn_key_dim
+    own = set(_gdn_part(cfg, ins)[2])
+    return [(ins.buf4, off + h * dk, off + (h + 1) * dk) for off in (0, kd)
+            for h in range(ins.row_start, ins.row_end) if h not in own]
 
 
 def reduce_touches(prog, ins: Instruction) -> list:

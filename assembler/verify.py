@@ -13,6 +13,9 @@
    by check 4 a reader of those rows must then know ALL of them complete, so a dropped wait still fails.
 6. Across steps: a step-2 write is ordered after every step-1 read or write of the same bytes, and the
    embed of step 2 after step 1's argmax (its token).
+7. History reads (asm_regions.history_reads: a GDN part's reads of conv-ring channels another part of its key
+   head writes, the previous positions): step 2's reader is ordered after step 1's writer, and some instruction
+   writes every such byte.
 Raises :class:`VerifyError` naming the instruction (sm, index, op) and the buffer at the first failure.
 """
 from __future__ import annotations
@@ -21,7 +24,7 @@ import bisect
 
 import numpy as np
 
-from assembler.asm_regions import reduce_touches, regions
+from assembler.asm_regions import history_reads, reduce_touches, regions
 from assembler.isa import fused_reduce
 from assembler.program import Program
 
@@ -153,15 +156,17 @@ def _check_fused_cover(prog: Program) -> None:
 def _check_data(prog: Program, clk: dict) -> None:
     lists, vc, L, steps = prog.sm_lists, clk["vc"], clk["L"], clk["steps"]
     acc = {}
+    hist = {}
     writes: dict[int, list] = {}
     touches: dict[int, list] = {}
     for s, lst in enumerate(lists):
         for j, ins in enumerate(lst):
             r, w, st = regions(prog, ins)
             acc[(s, j)] = (r, w, st)
+            hist[(s, j)] = history_reads(prog, ins)
             for b, lo, hi in w + st:
                 writes.setdefault(b, []).append((lo, hi, s, j))
-            for b, lo, hi in r + w + st + reduce_touches(prog, ins):
+            for b, lo, hi in r + w + st + reduce_touches(prog, ins) + hist[(s, j)]:
                 touches.setdefault(b, []).append((lo, hi, s, j))
     for b, lst in writes.items():
         lst.sort()
@@ -196,6 +201,19 @@ def _check_data(prog: Program, clk: dict) -> None:
                 i += 1
             if cur < hi:
                 raise VerifyError(f"{_where(prog, s, j)} reads {buf.name}[{cur}:{hi}], which no instruction of the step writes")
+    for (s, j), hr in hist.items():  # 7: the previous step's writer of the history is known done
+        for b, lo, hi in hr:
+            cover = 0
+            for wlo, whi, ps, pj in writes.get(b, []):
+                if wlo < hi and whi > lo:
+                    cover += min(hi, whi) - max(lo, wlo)
+                    for k in range(1, steps):
+                        if not known(k, s, j, ps, pj, k - 1):
+                            raise VerifyError(f"{_where(prog, s, j, k + 1)} reads the history {prog.buffers[b].name}"
+                                              f"[{lo}:{hi}] before step {k}'s writer {_where(prog, ps, pj)} is known done")
+            if cover < hi - lo:
+                raise VerifyError(f"{_where(prog, s, j)} reads the history {prog.buffers[b].name}[{lo}:{hi}], which "
+                                  f"no instruction writes")
     am = [(s, j) for s, lst in enumerate(lists) for j, i in enumerate(lst) if prog.graph.ops[i.op].kind == "argmax"]
     for (s, j) in acc:
         if prog.graph.ops[lists[s][j].op].kind != "embed":

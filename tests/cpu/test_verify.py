@@ -142,3 +142,59 @@ def test_attention_scratch_reuse_is_ordered(name, sms, m, limit):
         for s, j in by_layer[b]:
             for ps, pj in by_layer[a]:
                 assert vc[(kb, s, j)][ps] > ka * L[ps] + pj, (a, b, (s, j), (ps, pj))
+
+
+@pytest.mark.parametrize("sms,m,fuse", [(7, 1, False), (132, 1, False), (5, 3, True)])
+def test_split_gdn_programs_verify(sms, m, fuse):
+    """The runner's default programs split each GDN step over its value heads (megakernel.runner.split_gdn);
+    session 7: the verifier models the parts (asm_regions._gdn_part / history_reads) and accepts them. The parts of
+    a key head own disjoint value heads and exactly one of them the key head's q / k conv channels; removing a
+    part's wait on the in-projection is caught (the extra parts' wait on the producer of x is implied by it:
+    runner._cover_waits adds it, redundant but harmless), as is removing any wait of the parts the scheduler
+    placed (split 0)."""
+    from assembler.asm_regions import history_reads, regions
+    from megakernel.runner import split_gdn
+    cfg = preset("tiny")
+    whole = schedule(verify_graph(cfg, m), sms, fuse_reduce=fuse)
+    for parts in range(2, cfg.gdn_head_group + 1):
+        p = split_gdn(whole, parts)
+        verify(p)
+        gdn = [(s, j, i) for s, l in enumerate(p.sm_lists) for j, i in enumerate(l) if i.opcode == Opcode.GDN_STEP]
+        by_head: dict = {}
+        for s, j, i in gdn:
+            by_head.setdefault((i.layer, i.row_start, i.row_end), []).append(i)
+        for key, ins in by_head.items():
+            assert len(ins) == parts and sorted(i.split for i in ins) == list(range(parts))
+            state = sorted(r for i in ins for r in regions(p, i)[2])
+            assert len(state) == len(set(state)), f"{key}: two parts own the same state"
+            ref = next(i for l in whole.sm_lists for i in l if i.opcode == Opcode.GDN_STEP
+                       and (i.layer, i.row_start, i.row_end) == key)
+            bufs = {b for b, _, _ in state}
+            for b in bufs:  # the parts' state covers the whole key head's, exactly
+                got = sum(hi - lo for bb, lo, hi in state if bb == b)
+                assert got == sum(hi - lo for bb, lo, hi in regions(whole, ref)[2] if bb == b), (key, b)
+            assert sum(len(history_reads(p, i)) for i in ins) == 2 * (parts - 1) * (key[2] - key[1])
+        for s, j, i in gdn[:8]:
+            for w in range(i.nwaits):
+                if i.split > 0 and not p.counters[i.waits[w][0]].name.endswith(".in.out0"):
+                    continue
+                orig = _drop_wait(p, s, j, w)
+                with pytest.raises(VerifyError):
+                    verify(p)
+                p.sm_lists[s][j] = orig
+
+
+def test_history_read_without_writer_caught(monkeypatch):
+    """Negative control of check 7: a history read of conv channels nothing writes fails, naming them."""
+    import assembler.verify as V
+    from megakernel.runner import split_gdn
+    p = split_gdn(schedule(verify_graph(preset("tiny"), 1), 7, fuse_reduce=False), 3)
+    orig = V.history_reads
+
+    def fake(prog, ins):
+        h = orig(prog, ins)
+        return [(b, lo + 10 ** 6, hi + 10 ** 6) for b, lo, hi in h]  # channels past the ring
+
+    monkeypatch.setattr(V, "history_reads", fake)
+    with pytest.raises(VerifyError, match="no instruction writes"):
+        verify(p)
