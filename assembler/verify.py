@@ -209,8 +209,9 @@ def _check_data(prog: Program, clk: dict) -> None:
                     cover += min(hi, whi) - max(lo, wlo)
                     for k in range(1, steps):
                         if not known(k, s, j, ps, pj, k - 1):
-                            raise VerifyError(f"{_where(prog, s, j, k + 1)} reads the history {prog.buffers[b].name}"
-                                              f"[{lo}:{hi}] before step {k}'s writer {_where(prog, ps, pj)} is known done")
+                            raise VerifyError(f"{_where(prog, s, j, k + 1)} reads the history "
+                                              f"{prog.buffers[b].name}[{lo}:{hi}] before step {k}'s writer "
+                                              f"{_where(prog, ps, pj)} is known done")
             if cover < hi - lo:
                 raise VerifyError(f"{_where(prog, s, j)} reads the history {prog.buffers[b].name}[{lo}:{hi}], which "
                                   f"no instruction writes")
