@@ -20,7 +20,7 @@ MAX_SMS = 1024  # far above any GPU's SM count; the assembler's time and memory 
 
 # options that shape the assembled program; --timings runs the megakernel's own default decode program instead
 _PROGRAM_ONLY = {"layer_limit": "--layer-limit", "rows": "--rows", "kind": "--kind", "fuse_reduce": "--fuse-reduce",
-                 "check": "--verify"}
+                 "check": "--verify", "gdn_split": "--gdn-split"}
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -36,6 +36,9 @@ _PROGRAM_ONLY = {"layer_limit": "--layer-limit", "rows": "--rows", "kind": "--ki
 @click.option("--kind", type=click.Choice(["decode", "mtp"]), default="decode", show_default=True)
 @click.option("--fuse-reduce/--no-fuse-reduce", default=None,
               help="split-K reduce inside the GEMV instructions (default: the megakernel's default program)")
+@click.option("--gdn-split", type=click.IntRange(min=1), default=1, show_default=True,
+              help="split every GDN step over its key head's value heads in this many parts, as the megakernel runner "
+                   "does (its default: the head group, one part per value head; 1 = the program as assembled)")
 @click.option("--verify/--no-verify", "check", default=False,
               help="also run the static verifier (slow for the 27B); its summary goes into the stats ('verified')")
 @click.option("--timings", is_flag=True, help="run the megakernel's default decode program (2 steps) on the GPU with "
@@ -45,7 +48,7 @@ _PROGRAM_ONLY = {"layer_limit": "--layer-limit", "rows": "--rows", "kind": "--ki
 @click.option("--context", type=click.IntRange(min=0), default=0, show_default=True,
               help="with --timings: start position; otherwise the KV context whose attention bytes the stats add")
 def command(preset_name: str, sms: int, fmt: str, layer_limit: int | None, rows: int, kind: str,
-            fuse_reduce: bool | None, check: bool, timings: bool, context: int) -> None:
+            fuse_reduce: bool | None, gdn_split: int, check: bool, timings: bool, context: int) -> None:
     """Print the instruction program of one step and its stats (bytes per SM, imbalance, waits, critical path)."""
     if timings:
         ctx = click.get_current_context()
@@ -75,7 +78,13 @@ def command(preset_name: str, sms: int, fmt: str, layer_limit: int | None, rows:
     if fuse_reduce is None:
         from megakernel.runner import DEFAULT_FUSE
         fuse_reduce = DEFAULT_FUSE
+    if gdn_split > cfg.gdn_head_group:
+        raise click.BadParameter(f"{gdn_split} > the value heads per key head ({cfg.gdn_head_group})",
+                                 param_hint="--gdn-split")
     prog = schedule(g, sms, fuse_reduce)
+    if gdn_split > 1:
+        from megakernel.runner import split_gdn
+        prog = split_gdn(prog, gdn_split)
     st = prog.stats(kv_context=context)
     if check:
         from assembler.verify import VerifyError, verify
@@ -94,6 +103,7 @@ def command(preset_name: str, sms: int, fmt: str, layer_limit: int | None, rows:
     click.echo(f"# bytes per SM: mean {st['bytes_mean'] / 1e6:.3f} MB, max {st['bytes_max'] / 1e6:.3f} MB, "
                f"min {st['bytes_min'] / 1e6:.3f} MB, imbalance {100 * st['imbalance']:.2f} % of the mean; "
                f"est. critical path {st['est_critical_path_ms']:.3f} ms vs floor {st['floor_ms']:.3f} ms "
-               f"(estimate at 4,468 GB/s); est. megakernel step {st['est_step_ms']:.3f} ms for this program as "
-               f"assembled, GDN steps per key head (per-instruction costs measured on the H200 for the 27B, "
-               f"assembler/program.py; the runner's default splits GDN steps per value head)")
+               f"(estimate at 4,468 GB/s); est. megakernel step {st['est_step_ms']:.3f} ms for this program"
+               + (" as assembled, GDN steps per key head" if gdn_split == 1 else f", GDN steps in {gdn_split} parts")
+               + " (per-instruction costs measured on the H200 for the 27B, assembler/program.py"
+               + ("; the runner's default splits GDN steps per value head: --gdn-split)" if gdn_split == 1 else ")"))

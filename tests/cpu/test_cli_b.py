@@ -68,6 +68,7 @@ def test_inspect_timings_without_gpu_is_a_clean_error(extra):
     (["--no-fuse-reduce"], "--no-fuse-reduce"),
     (["--rows", "2", "--kind", "mtp"], "--rows, --kind"),
     (["--layer-limit", "0"], "--layer-limit"),
+    (["--gdn-split", "2"], "--gdn-split"),
 ])
 def test_inspect_timings_refuses_the_options_it_ignores(extra, named):
     """--timings runs the megakernel's own default program: program-shaping options are a usage error (exit 2),
@@ -75,6 +76,20 @@ def test_inspect_timings_refuses_the_options_it_ignores(extra, named):
     r = run(["inspect", "--timings", *extra])
     assert r.exit_code == 2, r.output
     assert f"does not take {named}" in r.output and "Traceback" not in r.output
+
+
+def test_inspect_gdn_split_shows_and_verifies_the_runners_program():
+    """--gdn-split K: the program the megakernel runner runs (GDN steps split over value heads), verified
+    statically; more parts than value heads per key head is a usage error naming the option."""
+    base = run(["inspect", "--preset", "tiny", "--sms", "7", "--format", "stats"])
+    r = run(["inspect", "--preset", "tiny", "--sms", "7", "--format", "stats", "--gdn-split", "3", "--verify"])
+    assert base.exit_code == 0 and r.exit_code == 0, r.output
+    st0 = json.loads(base.output.splitlines()[0].removeprefix("# stats "))
+    st = json.loads(r.output.splitlines()[0].removeprefix("# stats "))
+    assert st["verified"]["instructions"] == st["instructions"] > st0["instructions"]
+    assert "GDN steps in 3 parts" in r.output and "as assembled" in base.output
+    bad = run(["inspect", "--preset", "tiny", "--gdn-split", "4"])
+    assert bad.exit_code == 2 and "--gdn-split" in bad.output and "Traceback" not in bad.output
 
 
 # ---------------------------------------------------------------------------------------------- make-checkpoint
