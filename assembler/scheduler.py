@@ -74,11 +74,12 @@ def _apportion(costs: list[float], caps: list[int], n: int) -> list[int] | None:
     return cnt
 
 
-def _runs(units: np.ndarray) -> list[tuple[int, int]]:
-    """Maximal unit ranges [a, b) of one (group, segment, split) and contiguous rows: the pieces one
-    instruction can cover."""
+def _runs(units: np.ndarray, sms: np.ndarray | None = None) -> list[tuple[int, int]]:
+    """Maximal unit ranges [a, b) of one (group, segment, split) and contiguous rows — the pieces one instruction
+    can cover — and, given the units' SMs, of one SM too (the instructions of an assignment)."""
+    key = units[:, :3] if sms is None else np.concatenate([sms[:, None], units[:, :3]], 1)
     new = np.ones(len(units), bool)
-    new[1:] = np.any(units[1:, :3] != units[:-1, :3], 1) | (units[1:, 3] != units[:-1, 4])
+    new[1:] = np.any(key[1:] != key[:-1], 1) | (units[1:, 3] != units[:-1, 4])
     starts = np.flatnonzero(new)
     return list(zip(starts.tolist(), np.append(starts[1:], len(units)).tolist()))
 
@@ -162,7 +163,6 @@ class _Builder:
 
     # ------------------------------------------------------------------ ops
     def add_op(self, oi: int, op: Op) -> None:
-        b = self.g.buffers
         bid = self.buffer_id
         m = self.g.m
         L = op.layer
@@ -250,12 +250,7 @@ class _Builder:
                 sms = None  # too few SMs for the op's runs: whole runs would land on single SMs
             if sms is None:
                 sms = fill
-            key = np.concatenate([sms[:, None], units[:, :3]], 1)
-            new = np.ones(len(units), bool)
-            new[1:] = np.any(key[1:] != key[:-1], 1) | (units[1:, 3] != units[:-1, 4])
-            starts = np.flatnonzero(new)
-            ends = np.append(starts[1:], len(units))
-            for a, b in zip(starts, ends):
+            for a, b in _runs(units, sms):
                 gi, si, s = (int(v) for v in units[a, :3])
                 sm, r0, r1, nb = int(sms[a]), int(units[a, 3]), int(units[b - 1, 4]), int(round(units[a:b, 5].sum()))
                 seg = op.segments[si]
