@@ -82,12 +82,25 @@ __device__ __forceinline__ float mx_rstd(double ss, int n) {
 // Sum of squares of bf16 x[0..n) over a block of NT threads (NT a multiple of 32, <= 1024).
 // red: shared scratch of NT/32 doubles. Every thread returns the same bits. Contains __syncthreads():
 // call from all threads of the block.
+// Loads go out MX_NORM_BATCH at a time, predicated past n (session 7: with one load per iteration nvcc unrolled only
+// a 16-deep main loop that 5,120 elements on 512 threads never reach, so each thread waited for ten L2 round trips
+// in a row — 6.8 µs of the megakernel's 20 µs GDN step, bench/probes/run11/mk_gdn_stamps.json); the adds keep the
+// thread's element order i = tid, tid + NT, ..., so the bits do not change.
+#define MX_NORM_BATCH 8
 template <int NT>
 __device__ __forceinline__ double mx_block_sumsq(const mx_u16* __restrict__ x, int n, double* red) {
     double s = 0.0;
-    for (int i = threadIdx.x; i < n; i += NT) {
-        const double v = mx_bf2f(x[i]);
-        s = __fma_rn(v, v, s);  // v*v is exact: fma == mul + add
+    for (int i = threadIdx.x; i < n; i += MX_NORM_BATCH * NT) {
+        mx_u16 v[MX_NORM_BATCH];
+#pragma unroll
+        for (int b = 0; b < MX_NORM_BATCH; ++b) v[b] = i + b * NT < n ? x[i + b * NT] : (mx_u16)0;
+#pragma unroll
+        for (int b = 0; b < MX_NORM_BATCH; ++b) {
+            if (i + b * NT < n) {
+                const double d = mx_bf2f(v[b]);
+                s = __fma_rn(d, d, s);  // v*v is exact: fma == mul + add
+            }
+        }
     }
     s = mx_warp_sum_d(s);
     __syncthreads();  // red may still be read by a previous call
@@ -116,8 +129,21 @@ template <int NT>
 __device__ void mx_rmsnorm_rows(const mx_u16* __restrict__ x, int ldx, const mx_u16* __restrict__ w,
                                 mx_u16* __restrict__ y, int ldy, int M, int n, double* red) {
     for (int m = 0; m < M; ++m) {
-        const float rstd = mx_block_rstd<NT>(x + (size_t)m * ldx, n, red);
-        for (int i = threadIdx.x; i < n; i += NT) y[(size_t)m * ldy + i] = mx_norm1pw(x[(size_t)m * ldx + i], rstd, w[i]);
+        const mx_u16* xr = x + (size_t)m * ldx;
+        mx_u16* yr = y + (size_t)m * ldy;
+        const float rstd = mx_block_rstd<NT>(xr, n, red);
+        for (int i = threadIdx.x; i < n; i += MX_NORM_BATCH * NT) {  // loads batched, as mx_block_sumsq
+            mx_u16 xv[MX_NORM_BATCH], wv[MX_NORM_BATCH];
+#pragma unroll
+            for (int b = 0; b < MX_NORM_BATCH; ++b) {
+                const bool in = i + b * NT < n;
+                xv[b] = in ? xr[i + b * NT] : (mx_u16)0;
+                wv[b] = in ? w[i + b * NT] : (mx_u16)0;
+            }
+#pragma unroll
+            for (int b = 0; b < MX_NORM_BATCH; ++b)
+                if (i + b * NT < n) yr[i + b * NT] = mx_norm1pw(xv[b], rstd, wv[b]);
+        }
     }
 }
 
