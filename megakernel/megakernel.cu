@@ -79,6 +79,14 @@ __device__ __forceinline__ int mk_pos(const MkParams& P) {
   return (int)qmk::ld_relaxed_gpu(&reinterpret_cast<QmkControl*>(P.ctrl)->pos);
 }
 
+// The (1+w) RMSNorm of M hidden rows into shared memory (norm.cuh), one call site for the GEMV prologue and the
+// GDN step. Not inlined: inlined twice, its 16-byte chunk registers moved the register allocation of the whole
+// kernel (spill stores inside the GEMV loop, 312 → 548 B).
+// x, y [M, n] (row stride n).
+__device__ __noinline__ void mk_rmsnorm(const mx_u16* x, const mx_u16* nw, mx_u16* y, int M, int n, double* red) {
+  mx_rmsnorm_rows<MK_THREADS>(x, n, nw, y, n, M, n, red);
+}
+
 // One 16-row tile of weight W (fp8 block-scaled or bf16) over K-blocks [kb0, kb1): the shared gemv.cuh tile
 // (with QMK_MK_RING ≥ 2 its cp.async shared-memory ring variant, bit-identical; this warp's ring at `ring`;
 // issued: mk_gemv_prefetch already started this tile's first units).
@@ -140,7 +148,7 @@ __device__ void mk_gemv(const MkParams& P, const int* w, qmk_u16* xn, MkSmemTail
   const qmk_u16* x = mk_buf<const qmk_u16>(P, w[QMK_F_BUF0]);
   if (pro == QMK_PRO_RMSNORM) {
     const MkWeight nw = reinterpret_cast<const MkWeight*>(P.weights)[w[QMK_F_W1]];
-    mx_rmsnorm_rows<MK_THREADS>(x, K, (const mx_u16*)nw.ptr, xn, K, M, K, sm.red);
+    mk_rmsnorm(x, (const mx_u16*)nw.ptr, xn, M, K, sm.red);
     __syncthreads();
     x = xn;
   } else if (pro != QMK_PRO_NONE) {
@@ -285,8 +293,7 @@ __device__ void mk_gdn(const MkParams& P, const int* w, qmk_u16* hn, MkSmemTail&
   const int M = w[QMK_F_M], r0 = w[QMK_F_ROW_START], r1 = w[QMK_F_ROW_END];
   const MkLayer L = reinterpret_cast<const MkLayer*>(P.layers)[w[QMK_F_LAYER]];
   const MkWeight nw = reinterpret_cast<const MkWeight*>(P.weights)[w[QMK_F_W1]];
-  mx_rmsnorm_rows<MK_THREADS>(mk_buf<const mx_u16>(P, w[QMK_F_BUF2]), QMK_HIDDEN, (const mx_u16*)nw.ptr, hn,
-                              QMK_HIDDEN, M, QMK_HIDDEN, sm.red);
+  mk_rmsnorm(mk_buf<const mx_u16>(P, w[QMK_F_BUF2]), (const mx_u16*)nw.ptr, hn, M, QMK_HIDDEN, sm.red);
   __syncthreads();
   const int pos = mk_pos(P);
   // value heads of key heads [r0, r1); split / nsplit (runner.split_gdn) hand a part of them to this instruction

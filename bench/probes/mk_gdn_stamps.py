@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--norm-stamps", action="store_true", help="stamps 10-13 inside the RMSNorm of x (probe build)")
     a = ap.parse_args(argv)
     import cupy as cp
 
@@ -41,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     sms = sorted({s for s, lst in enumerate(prog.sm_lists) for i in lst if i.opcode == Opcode.GDN_STEP})
     block = sms[len(sms) // 2]
     extra = {"QMK_GDN_STAMPS": 1, "QMK_GDN_STAMP_BLOCK": block}
+    if a.norm_stamps:
+        extra["QMK_GDN_NORM_STAMPS"] = 1
     mk = runner.Megakernel(ds, defines=extra)
     mod = runner._load(cfg, False, extra, mk.fuse_reduce, True)
     st = cp.ndarray((16,), cp.int64, mod.get_global("qmk_gdn_stamps"))
@@ -51,10 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         cp.cuda.Device().synchronize()
         mk.step()
         mk.check()
-        rows.append(st.get()[:len(PHASES)])
-    d = np.median(np.diff(np.stack(rows[2:]), axis=1), axis=0)
+        rows.append(st.get())
+    raw = np.stack(rows[2:])
+    d = np.median(np.diff(raw[:, :len(PHASES)], axis=1), axis=0)
     res = {"block": block, "gdn_sms": len(sms), "phases_cycles": {p: float(c) for p, c in zip(PHASES[1:], d)},
-           "total_cycles": float(np.median([r[-1] - r[0] for r in rows[2:]]))}
+           "total_cycles": float(np.median([r[len(PHASES) - 1] - r[0] for r in rows[2:]])),
+           "raw_minus_entry_median": [float(v) for v in np.median(raw - raw[:, :1], axis=0)]}
     print(json.dumps(res, indent=1))
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "mk_gdn_stamps.json").write_text(json.dumps(res, indent=1))

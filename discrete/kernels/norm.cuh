@@ -79,29 +79,11 @@ __device__ __forceinline__ float mx_rstd(double ss, int n) {
 }
 
 // ---------------------------------------------------------------- (1+w) form, block-wide
-// Sum of squares of bf16 x[0..n) over a block of NT threads (NT a multiple of 32, <= 1024).
-// red: shared scratch of NT/32 doubles. Every thread returns the same bits. Contains __syncthreads():
-// call from all threads of the block.
-// Loads go out MX_NORM_BATCH at a time, predicated past n (session 7: with one load per iteration nvcc unrolled only
-// a 16-deep main loop that 5,120 elements on 512 threads never reach, so each thread waited for ten L2 round trips
-// in a row — 6.8 µs of the megakernel's 20 µs GDN step, bench/probes/run11/mk_gdn_stamps.json); the adds keep the
-// thread's element order i = tid, tid + NT, ..., so the bits do not change.
-#define MX_NORM_BATCH 8
+// Block sum of one double per thread (NT a multiple of 32, <= 1024): xor butterfly in each warp, warp totals
+// added in warp order through red (shared scratch of NT/32 doubles). Every thread returns the same bits.
+// Contains __syncthreads(): call from all threads of the block.
 template <int NT>
-__device__ __forceinline__ double mx_block_sumsq(const mx_u16* __restrict__ x, int n, double* red) {
-    double s = 0.0;
-    for (int i = threadIdx.x; i < n; i += MX_NORM_BATCH * NT) {
-        mx_u16 v[MX_NORM_BATCH];
-#pragma unroll
-        for (int b = 0; b < MX_NORM_BATCH; ++b) v[b] = i + b * NT < n ? x[i + b * NT] : (mx_u16)0;
-#pragma unroll
-        for (int b = 0; b < MX_NORM_BATCH; ++b) {
-            if (i + b * NT < n) {
-                const double d = mx_bf2f(v[b]);
-                s = __fma_rn(d, d, s);  // v*v is exact: fma == mul + add
-            }
-        }
-    }
+__device__ __forceinline__ double mx_block_sum_d(double s, double* red) {
     s = mx_warp_sum_d(s);
     __syncthreads();  // red may still be read by a previous call
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = s;
@@ -112,7 +94,19 @@ __device__ __forceinline__ double mx_block_sumsq(const mx_u16* __restrict__ x, i
     return t;
 }
 
-// rstd of one row (block-wide); the GEMV prologue applies mx_norm1pw elementwise with it.
+// Sum of squares of bf16 x[0..n) over a block of NT threads, element by element (any n, any alignment).
+// Every thread returns the same bits. Contains __syncthreads(): call from all threads of the block.
+template <int NT>
+__device__ __forceinline__ double mx_block_sumsq(const mx_u16* __restrict__ x, int n, double* red) {
+    double s = 0.0;
+    for (int i = threadIdx.x; i < n; i += NT) {
+        const double v = mx_bf2f(x[i]);
+        s = __fma_rn(v, v, s);  // v*v is exact: fma == mul + add
+    }
+    return mx_block_sum_d<NT>(s, red);
+}
+
+// rstd of one row (block-wide)
 template <int NT>
 __device__ __forceinline__ float mx_block_rstd(const mx_u16* __restrict__ x, int n, double* red) {
     return mx_rstd(mx_block_sumsq<NT>(x, n, red), n);
@@ -123,26 +117,78 @@ __device__ __forceinline__ mx_u16 mx_norm1pw(mx_u16 x, float rstd, mx_u16 w) {
     return mx_f2bf(__fmul_rn(__fmul_rn(mx_bf2f(x), rstd), __fadd_rn(1.0f, mx_bf2f(w))));
 }
 
+// 16-byte chunks of a row that each thread of the block-wide norm keeps in registers between its two passes
+#define MX_NORM_CH 2
+
+// sum of squares of the 8 bf16 of a 16-byte chunk into s, ascending
+__device__ __forceinline__ double mx_sumsq8(uint4 v, double s) {
+    const mx_u32 u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const double lo = mx_bf2f((mx_u16)(u[k] & 0xffffu)), hi = mx_bf2f((mx_u16)(u[k] >> 16));
+        s = __fma_rn(lo, lo, s);
+        s = __fma_rn(hi, hi, s);
+    }
+    return s;
+}
+
+// (1+w) form of the 8 elements of a chunk
+__device__ __forceinline__ uint4 mx_norm1pw8(uint4 x, float rstd, uint4 w) {
+    const mx_u32 a[4] = {x.x, x.y, x.z, x.w}, b[4] = {w.x, w.y, w.z, w.w};
+    mx_u32 o[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+        o[k] = (mx_u32)mx_norm1pw((mx_u16)(a[k] & 0xffffu), rstd, (mx_u16)(b[k] & 0xffffu)) |
+               ((mx_u32)mx_norm1pw((mx_u16)(a[k] >> 16), rstd, (mx_u16)(b[k] >> 16)) << 16);
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
 // Whole (1+w) RMSNorm of M independent rows: x, y [M, n] bf16 with row strides ldx, ldy; w [n] bf16.
 // One block does all rows (rows are independent; result per row does not depend on M).
+// Rows of n ≤ 8·NT·MX_NORM_CH elements with 16-byte aligned rows go the latency-bound way (session 8: the
+// element-wise two passes took 4.2 k cycles on an idle H200 and 12.5 k inside the megakernel, where every
+// in-projection / gate|up GEMV and GDN step starts with one; bench/probes/run12/): each thread loads its 16-byte
+// chunks of x and w at once, keeps them in registers for the second pass, and stores 16 bytes. The statistic is
+// the float64 sum of exact squares, so the order change (chunks instead of strided elements) does not move it
+// (header comment); every caller of one shape still uses one NT, so the two paths agree to the bit regardless.
 template <int NT>
 __device__ void mx_rmsnorm_rows(const mx_u16* __restrict__ x, int ldx, const mx_u16* __restrict__ w,
                                 mx_u16* __restrict__ y, int ldy, int M, int n, double* red) {
+    const int nc = n >> 3;
+    const bool vec = (n & 7) == 0 && (ldx & 7) == 0 && (ldy & 7) == 0 && nc <= MX_NORM_CH * NT &&
+                     ((reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(w) |
+                       reinterpret_cast<unsigned long long>(y)) & 15) == 0;
     for (int m = 0; m < M; ++m) {
         const mx_u16* xr = x + (size_t)m * ldx;
         mx_u16* yr = y + (size_t)m * ldy;
-        const float rstd = mx_block_rstd<NT>(xr, n, red);
-        for (int i = threadIdx.x; i < n; i += MX_NORM_BATCH * NT) {  // loads batched, as mx_block_sumsq
-            mx_u16 xv[MX_NORM_BATCH], wv[MX_NORM_BATCH];
+        if (true) {
+            uint4 xv[MX_NORM_CH];
 #pragma unroll
-            for (int b = 0; b < MX_NORM_BATCH; ++b) {
-                const bool in = i + b * NT < n;
-                xv[b] = in ? xr[i + b * NT] : (mx_u16)0;
-                wv[b] = in ? w[i + b * NT] : (mx_u16)0;
+            for (int c = 0; c < MX_NORM_CH; ++c) {
+                const int i = threadIdx.x + c * NT;
+                if (i < nc) xv[c] = reinterpret_cast<const uint4*>(xr)[i];
             }
+            double s = 0.0;
 #pragma unroll
-            for (int b = 0; b < MX_NORM_BATCH; ++b)
-                if (i + b * NT < n) yr[i + b * NT] = mx_norm1pw(xv[b], rstd, wv[b]);
+            for (int c = 0; c < MX_NORM_CH; ++c) {
+                const int i = threadIdx.x + c * NT;
+                if (i < nc) {
+                    s = mx_sumsq8(xv[c], s);
+                    reinterpret_cast<uint4*>(yr)[i] = xv[c];  // staged: the second pass reads it back
+                }
+            }
+            const float rstd = mx_rstd(mx_block_sum_d<NT>(s, red), n);
+#pragma unroll
+            for (int c = 0; c < MX_NORM_CH; ++c) {
+                const int i = threadIdx.x + c * NT;
+                if (i < nc) {
+                    uint4* yc = reinterpret_cast<uint4*>(yr) + i;
+                    *yc = mx_norm1pw8(*yc, rstd, reinterpret_cast<const uint4*>(w)[i]);
+                }
+            }
+        } else {
+            const float rstd = mx_block_rstd<NT>(xr, n, red);
+            for (int i = threadIdx.x; i < n; i += NT) yr[i] = mx_norm1pw(xr[i], rstd, w[i]);
         }
     }
 }
