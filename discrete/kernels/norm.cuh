@@ -148,7 +148,8 @@ __device__ __forceinline__ uint4 mx_norm1pw8(uint4 x, float rstd, uint4 w) {
 // Rows of n ≤ 8·NT·MX_NORM_CH elements with 16-byte aligned rows go the latency-bound way (session 8: the
 // element-wise two passes took 4.2 k cycles on an idle H200 and 12.5 k inside the megakernel, where every
 // in-projection / gate|up GEMV and GDN step starts with one; bench/probes/run12/): each thread loads its 16-byte
-// chunks of x and w at once, keeps them in registers for the second pass, and stores 16 bytes. The statistic is
+// chunks of x and w at once, keeps them in registers for the second pass, and stores 16 bytes; other rows go
+// element by element (one load per element, x read twice). The statistic is
 // the float64 sum of exact squares, so the order change (chunks instead of strided elements) does not move it
 // (header comment); every caller of one shape still uses one NT, so the two paths agree to the bit regardless.
 template <int NT>
@@ -161,30 +162,25 @@ __device__ void mx_rmsnorm_rows(const mx_u16* __restrict__ x, int ldx, const mx_
     for (int m = 0; m < M; ++m) {
         const mx_u16* xr = x + (size_t)m * ldx;
         mx_u16* yr = y + (size_t)m * ldy;
-        if (true) {
-            uint4 xv[MX_NORM_CH];
-#pragma unroll
-            for (int c = 0; c < MX_NORM_CH; ++c) {
-                const int i = threadIdx.x + c * NT;
-                if (i < nc) xv[c] = reinterpret_cast<const uint4*>(xr)[i];
-            }
-            double s = 0.0;
+        if (vec) {
+            uint4 xv[MX_NORM_CH], wv[MX_NORM_CH];
 #pragma unroll
             for (int c = 0; c < MX_NORM_CH; ++c) {
                 const int i = threadIdx.x + c * NT;
                 if (i < nc) {
-                    s = mx_sumsq8(xv[c], s);
-                    reinterpret_cast<uint4*>(yr)[i] = xv[c];  // staged: the second pass reads it back
+                    xv[c] = reinterpret_cast<const uint4*>(xr)[i];
+                    wv[c] = reinterpret_cast<const uint4*>(w)[i];
                 }
             }
+            double s = 0.0;
+#pragma unroll
+            for (int c = 0; c < MX_NORM_CH; ++c)
+                if (threadIdx.x + c * NT < nc) s = mx_sumsq8(xv[c], s);
             const float rstd = mx_rstd(mx_block_sum_d<NT>(s, red), n);
 #pragma unroll
             for (int c = 0; c < MX_NORM_CH; ++c) {
                 const int i = threadIdx.x + c * NT;
-                if (i < nc) {
-                    uint4* yc = reinterpret_cast<uint4*>(yr) + i;
-                    *yc = mx_norm1pw8(*yc, rstd, reinterpret_cast<const uint4*>(w)[i]);
-                }
+                if (i < nc) reinterpret_cast<uint4*>(yr)[i] = mx_norm1pw8(xv[c], rstd, wv[c]);
             }
         } else {
             const float rstd = mx_block_rstd<NT>(xr, n, red);

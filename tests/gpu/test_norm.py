@@ -19,13 +19,24 @@ MAX_ULP, MAX_FRAC = 1, 1e-3
 
 TEST_SRC = r'''
 #include "norm.cuh"
-extern "C" __global__ void t_rows(const mx_u16* x, const mx_u16* w, mx_u16* y, float* rstd, int M, int n) {
-    __shared__ double red[256 / 32];
-    mx_rmsnorm_rows<256>(x, n, w, y, n, M, n, red);
+template <int NT>
+__device__ void t_rows_nt(const mx_u16* x, const mx_u16* w, mx_u16* y, float* rstd, int M, int n) {
+    __shared__ double red[NT / 32];
+    mx_rmsnorm_rows<NT>(x, n, w, y, n, M, n, red);
     for (int m = 0; m < M; ++m) {
-        const float r = mx_block_rstd<256>(x + (size_t)m * n, n, red);
+        const float r = mx_block_rstd<NT>(x + (size_t)m * n, n, red);
         if (threadIdx.x == 0) rstd[m] = r;
     }
+}
+// the block sizes of the norm's callers: finish.cu (256), the megakernel (512), the TMA GEMV prologue (640)
+extern "C" __global__ void t_rows(const mx_u16* x, const mx_u16* w, mx_u16* y, float* rstd, int M, int n) {
+    t_rows_nt<256>(x, w, y, rstd, M, n);
+}
+extern "C" __global__ void t_rows512(const mx_u16* x, const mx_u16* w, mx_u16* y, float* rstd, int M, int n) {
+    t_rows_nt<512>(x, w, y, rstd, M, n);
+}
+extern "C" __global__ void t_rows640(const mx_u16* x, const mx_u16* w, mx_u16* y, float* rstd, int M, int n) {
+    t_rows_nt<640>(x, w, y, rstd, M, n);
 }
 extern "C" __global__ void t_head(const mx_u16* x, const mx_u16* w, mx_u16* y) {  // one warp per 256-wide head
     const int lane = threadIdx.x, h = blockIdx.x;
@@ -84,18 +95,22 @@ def _poisoned(shape):
 
 
 @pytest.mark.parametrize("name", ["tiny", "qwen3.5-27b"])
-def test_rows_1pw(gpu, mod, name):
+@pytest.mark.parametrize("nt", [256, 512, 640])
+def test_rows_1pw(gpu, mod, name, nt):
+    """Both ways of mx_rmsnorm_rows: 16-byte chunks in registers (aligned rows of n <= 8·NT·MX_NORM_CH) and the
+    element-wise fallback (27B at NT = 256; any misaligned row, forced below with x one element off)."""
     import cupy as cp
     cfg = preset(name)
     n, rng = cfg.hidden_size, np.random.default_rng(11)
+    fn = mod.get_function("t_rows" if nt == 256 else f"t_rows{nt}")
     for M in (1, 3, 8):
         x, w = _bf(rng, (M, n), 3.0), _bf(rng, (n,), 0.1)
         y, rstd = _poisoned((M, n)), cp.full((M,), np.nan, np.float32)
-        mod.get_function("t_rows")((1,), (256,), (_dev(x), _dev(w), y, rstd, np.int32(M), np.int32(n)))
+        fn((1,), (nt,), (_dev(x), _dev(w), y, rstd, np.int32(M), np.int32(n)))
         got = y.get().view(BF)
         ref = ops.rmsnorm(x, w, cfg.rms_norm_eps)
         ok, msg = within(got, ref)
-        assert ok, f"{name} M={M}: {msg}"
+        assert ok, f"{name} NT={nt} M={M}: {msg}"
         # the intermediate: rstd as the reference computes it, to the bit
         ref_rstd = ops._inv_rms(x.astype(np.float32), cfg.rms_norm_eps).reshape(-1)
         assert np.array_equal(rstd.get().view(np.uint32), ref_rstd.view(np.uint32)), f"{name} M={M}: rstd differs"
@@ -104,8 +119,14 @@ def test_rows_1pw(gpu, mod, name):
         assert not within(got, bad)[0], "negative control passed: the check cannot fail"
         # rows are independent: row m of an M-row launch == a 1-row launch of that row (bit identity)
         y1 = _poisoned((1, n))
-        mod.get_function("t_rows")((1,), (256,), (_dev(x[M - 1:]), _dev(w), y1, rstd, np.int32(1), np.int32(n)))
+        fn((1,), (nt,), (_dev(x[M - 1:]), _dev(w), y1, rstd, np.int32(1), np.int32(n)))
         assert np.array_equal(y1.get()[0], y.get()[M - 1]), f"{name} M={M}: last row differs from the 1-row run"
+        # misaligned x (2 bytes past a 16-byte boundary): the element-wise way, the same bits
+        xp = cp.zeros(M * n + 8, cp.uint16)
+        xp[1:1 + M * n] = _dev(x).reshape(-1)
+        y2 = _poisoned((M, n))
+        fn((1,), (nt,), (xp[1:], _dev(w), y2, rstd, np.int32(M), np.int32(n)))
+        assert np.array_equal(y2.get(), y.get()), f"{name} NT={nt} M={M}: the misaligned (element-wise) way differs"
 
 
 @pytest.mark.parametrize("name", ["tiny", "qwen3.5-27b"])
