@@ -360,16 +360,33 @@ __device__ void mk_attn_reduce(const MkParams& P, const int* w) {
                      mk_buf<mx_u16>(P, w[QMK_F_BUF3]), pos, t / n, r0 + t % n);
 }
 
-// Thread 0 spins until every wait of the instruction is met (relaxed polls, then one acquire each); the
-// barrier after it orders the whole block's later reads (sync.cuh block_wait, for several counters at once).
+#ifndef QMK_MK_POLL_ACQUIRE
+#define QMK_MK_POLL_ACQUIRE 1  // 1: poll counters with acquire loads; 0: relaxed polls, then one acquire (session 7)
+#endif
+#ifndef QMK_MK_SPIN_NS
+#define QMK_MK_SPIN_NS 0  // __nanosleep between polls of a counter (0: none; session 7: 32)
+#endif
+#if QMK_MK_SPIN_NS > 0
+#define MK_SPIN_PAUSE() __nanosleep(QMK_MK_SPIN_NS)
+#else
+#define MK_SPIN_PAUSE() do { } while (0)
+#endif
+
+// Thread 0 spins until every wait of the instruction is met (acquire polls, or relaxed polls then one acquire);
+// the barrier after it orders the whole block's later reads (sync.cuh block_wait, for several counters at once).
 __device__ __forceinline__ void mk_wait_all(const MkParams& P, const int* w, uint32_t step) {
   if (threadIdx.x == 0) {
     const uint32_t* ctr = reinterpret_cast<const uint32_t*>(P.counters);
     for (int k = 0; k < w[QMK_F_NWAITS]; ++k) {
       const int* t = w + QMK_ISA_WAITS_OFFSET + 3 * k;
       const uint32_t target = P.seed + step * (uint32_t)t[1] + (uint32_t)t[2];
-      while (!qmk::reached(qmk::ld_relaxed_gpu(ctr + t[0]), target)) { __nanosleep(32); }
+#if QMK_MK_POLL_ACQUIRE
+      // every poll an acquire: the load that sees the target is the acquire (no extra L2 round trip after it)
+      while (!qmk::reached(qmk::ld_acquire_gpu(ctr + t[0]), target)) { MK_SPIN_PAUSE(); }
+#else
+      while (!qmk::reached(qmk::ld_relaxed_gpu(ctr + t[0]), target)) { MK_SPIN_PAUSE(); }
       (void)qmk::ld_acquire_gpu(ctr + t[0]);
+#endif
     }
     if (w[QMK_F_OP] == P.delay_op) {  // debug: make this op slow, so a missing wait on it shows
       const uint64_t t0 = qmk::globaltimer_ns();

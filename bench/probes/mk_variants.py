@@ -37,6 +37,11 @@ def variants() -> list[tuple[str, bool, dict]]:
     return [
         ("default", False, {}),
         ("fused", True, {}),
+        # session 8: the counter protocol (sync.cuh, mk_wait_all); the default is fence 0, acquire polls, no sleep
+        ("sync_s7", False, {"QMK_MK_BUMP_FENCE": 1, "QMK_MK_POLL_ACQUIRE": 0, "QMK_MK_SPIN_NS": 32}),
+        ("bump_fence", False, {"QMK_MK_BUMP_FENCE": 1}),
+        ("poll_relaxed", False, {"QMK_MK_POLL_ACQUIRE": 0}),
+        ("spin32", False, {"QMK_MK_SPIN_NS": 32}),
     ]
 
 

@@ -52,12 +52,23 @@ __device__ __forceinline__ void block_wait(const uint32_t* counter, uint32_t tar
   __syncthreads();
 }
 
-// Block-wide bump: all threads' stores precede the barrier; thread 0 then fences at GPU scope through the
-// release reduction, so the consumer's acquire sees the whole block's output.
+#ifndef QMK_MK_BUMP_FENCE
+// 1: a __threadfence() (fence.sc.gpu) before the release reduction of block_bump. Not needed: the barrier orders
+// the other threads' stores before thread 0's release (CTA scope), and release is cumulative, so the consumer's
+// acquire sees them — the same argument the fence itself relied on (a fence by thread 0 orders only what thread 0
+// observed). Session 8 A/B: docs/megakernel.md.
+#define QMK_MK_BUMP_FENCE 0
+#endif
+
+// Block-wide bump: all threads' stores precede the barrier; thread 0 then releases at GPU scope through the
+// reduction (cumulative: covers what the barrier ordered before it), so the consumer's acquire sees the whole
+// block's output.
 __device__ __forceinline__ void block_bump(uint32_t* counter, uint32_t v) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();  // cumulativity: make the other threads' stores (ordered by the barrier) visible first
+#if QMK_MK_BUMP_FENCE
+    __threadfence();
+#endif
     red_release_gpu(counter, v);
   }
 }
