@@ -9,8 +9,9 @@ measured per-instruction costs (``MK_*`` below, calibrated on its H200 timing bu
 instruction, a GEMV instruction no faster than one warp's serial K-blocks, GEMV streaming at the rate measured, and
 the GDN / attention instructions' measured times. On the 27B decode program (value heads split as the runner
 does) the session-6 (d1703a5) and session-7 programs measured 15.04 and 12.74 ms per token; the first estimate gives
-6.81 and 6.60 ms, the second 13.82 and 11.61 ms (GDN per key head: measured 13.87, second estimate 13.72). Not
-modelled: the fused split-K tail (``fuse_reduce=True`` measured 13.74 ms, estimated 11.23), L2, other contexts.
+6.81 and 6.60 ms, the second (session-7 constants) 13.82 and 11.61 ms (GDN per key head: measured 13.87, second
+estimate 13.72). Session 8 (same program, faster norm and counters): measured 12.28 ms, estimated 11.24 (per
+key head 13.41 / 12.87). Not modelled: the fused split-K tail (``fuse_reduce=True`` measured 13.74 ms, estimated 11.23), L2, other contexts.
 Both are estimates meant for comparing schedules.
 """
 from __future__ import annotations
@@ -30,12 +31,13 @@ STAGE_OPCODES = {"main": {Opcode.EMBED, Opcode.GEMV, Opcode.GDN_STEP, Opcode.ATT
                  "values": {Opcode.ATTN_VALUES}}
 HBM_BYTES_PER_S = 4468e9  # measured, shared/spec/h200.md
 # est_step_ms's instruction costs, measured on the H200 (megakernel timing build at 1dc80fb, 27B, context 1024,
-# bench/results/megakernel_timings.json; docs/megakernel.md session 7):
-MK_FIXED_S = 1.9e-6    # any instruction: wait, barrier, bump (NOP program 0.95 ms over the longest SM's ~500)
+# bench/results/megakernel_timings.json; docs/megakernel.md session 7; fixed cost and GDN re-measured at 324d226,
+# session 8: acquire polls, no fence before the bump, the chunked RMSNorm):
+MK_FIXED_S = 1.67e-6   # any instruction: wait, barrier, bump (NOP program 0.835 ms over the longest SM's ~500)
 MK_KBLOCK_S = 0.75e-6  # one warp's 16-row K-block, serially (in-projection instructions of 8 tiles × 20: ≈ 17 µs)
 MK_GEMV_EFF = 0.72     # GEMV instructions' streaming rate / the SM's share of HBM_BYTES_PER_S (measured 69-75 %)
 MK_WARPS = 16          # GEMV tiles in flight per instruction (one per warp)
-MK_OP_S = {Opcode.GDN_STEP: 22e-6,      # per value head (48 per layer, one SM each; 22.1-22.6 µs measured)
+MK_OP_S = {Opcode.GDN_STEP: 17e-6,      # per value head (48 per layer, one SM each; median 17.0 µs measured)
            Opcode.ATTN_PREP: 8.3e-6, Opcode.ATTN_SCORES: 12.9e-6, Opcode.ATTN_VALUES: 13.8e-6,
            Opcode.ATTN_REDUCE: 4.3e-6}  # per instruction at 1k context
 ARENA_ALIGN = 256
