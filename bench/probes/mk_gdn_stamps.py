@@ -24,7 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--reps", type=int, default=8)
-    ap.add_argument("--norm-stamps", action="store_true", help="stamps 10-15 inside the RMSNorm of x: needs bench/probes/run12/mk_gdn_norm_stamps.patch, which applies to d0f796c")
+    ap.add_argument("--norm-stamps", action="store_true",
+                    help="stamps 10-15 inside the RMSNorm of x (needs bench/probes/run12/mk_gdn_norm_stamps.patch, "
+                         "which applies to d0f796c)")
     a = ap.parse_args(argv)
     import cupy as cp
 
