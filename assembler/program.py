@@ -11,7 +11,8 @@ the GDN / attention instructions' measured times. On the 27B decode program (val
 does) the session-6 (d1703a5) and session-7 programs measured 15.04 and 12.74 ms per token; the first estimate gives
 6.81 and 6.60 ms, the second (session-7 constants) 13.82 and 11.61 ms (GDN per key head: measured 13.87, second
 estimate 13.72). Session 8 (same program, faster norm and counters): measured 12.28 ms, estimated 11.24 (per
-key head 13.41 / 12.87). Not modelled: the fused split-K tail (``fuse_reduce=True`` measured 13.74 ms, estimated 11.23), L2, other contexts.
+key head 13.41 / 12.87). Not modelled: the fused split-K tail (``fuse_reduce=True`` measured 13.74 ms, estimated
+11.23), L2, other contexts.
 Both are estimates meant for comparing schedules.
 """
 from __future__ import annotations
