@@ -22,7 +22,7 @@ history (:func:`history_reads`, checked across steps).
 """
 from __future__ import annotations
 
-from assembler.isa import Instruction, Opcode, fused_reduce, sub_parts
+from assembler.isa import Instruction, Opcode, fused_reduce, sub_parts, sub_src_split
 from assembler.numerics import attn_partitions
 
 
@@ -53,9 +53,16 @@ def regions(prog, ins: Instruction) -> tuple[list, list, list]:
         pro, epi = sub_parts(ins.sub)
         R = 2 * seg.n_out if epi == "swiglu" else seg.n_out         # partial columns: rows of the fused matrix
         prow = [(r0, r1), (seg.n_out + r0, seg.n_out + r1)] if epi == "swiglu" else [(r0, r1)]
-        if ins.opcode == Opcode.GEMV:
+        if ins.opcode == Opcode.GEMV and pro == "reduce_rmsnorm":
+            # the input rebuilt from the deferred producer's S partials + residual; columns [aux0, aux1) stored
+            K, S = W(ins.buf0), sub_src_split(ins.sub)
+            reads += [(ins.buf4, s * K, (s + 1) * K) for s in range(S)] + [(ins.buf2, 0, W(ins.buf2))]
+            if ins.aux1 > ins.aux0:
+                writes.append((ins.buf0, ins.aux0, ins.aux1))
+        elif ins.opcode == Opcode.GEMV:
             srcs = [b for b in (ins.buf0, ins.buf4) if b >= 0]
             reads += [(b, 0, W(b)) for b in srcs]
+        if ins.opcode == Opcode.GEMV:
             if ins.buf5 >= 0:  # the normalised input, written once per step by the op's first slice
                 writes.append((ins.buf5, 0, W(ins.buf5)))
             if ins.nsplit > 1:

@@ -50,6 +50,7 @@ class Segment:
     fp8: bool
     residual: str | None = None
     partials: str | None = None
+    deferred: bool = False  # split-K reduce left to the consumer's prologue (defer_reduces): no GEMV_REDUCE
 
     @property
     def row_bytes(self) -> float:
@@ -73,7 +74,9 @@ class Op:
     group has its own completion counter. ``norm``: (input buffer, norm weight name) prologue, or for the MTP
     input a pair of them (concatenated). ``norm_out``: buffer the op's first slice also writes the normalised
     input to (the head's final-normed hidden, the MTP head's input). ``scratch``: buffers only the op's own
-    stages write and read (attention: roped q, scores, stats max / sum, partials)."""
+    stages write and read (attention: roped q, scores, stats max / sum, partials). ``reduce_in``: (partials,
+    split, residual) of the deferred split-K residual segment whose output is this op's norm input: every slice
+    rebuilds that input from them and stores its share of it (``defer_reduces``)."""
     name: str
     kind: str
     layer: int
@@ -87,6 +90,7 @@ class Op:
     state: tuple[str, ...] = ()
     norm_out: str | None = None
     scratch: tuple[str, ...] = ()
+    reduce_in: tuple = ()
 
 
 @dataclass
@@ -238,6 +242,39 @@ def _head(g: Graph, x: str, norm_w: str) -> None:
     g.ops.append(Op("argmax", "argmax", -1, (logits,), (nxt,), g.m * cfg.vocab_size * 2, g.m * cfg.vocab_size))
 
 
+def defer_reduces(g: Graph) -> Graph:
+    """Move the split-K reduce of every residual GEMV (out / o / down projections) into its consumer: the next
+    op, a GEMV whose RMSNorm prologue reads that output (gate|up, the next layer's in-projection, the head).
+    The producer's segment becomes ``deferred`` (partials only); the consumer gets ``reduce_in`` and becomes the
+    writer of the hidden row (each of its slices stores a share), so every later reader of it (the GDN step's
+    norm, the next residual) orders after the consumer. Numerics unchanged: the consumer applies the same
+    fixed-order reduce + residual epilogue. Returns ``g`` (modified in place). Raises ValueError when an op reads
+    the producer's output before the consumer does (nothing in the decode / verify / MTP graphs)."""
+    for ci, c in enumerate(g.ops):
+        if c.kind != "gemv" or not c.norm or not isinstance(c.norm[0], str) or ci == 0:
+            continue
+        xb = c.norm[0]
+        pi = next((i for i in range(ci - 1, -1, -1) if xb in g.ops[i].writes), None)
+        if pi is None:
+            continue
+        prod = g.ops[pi]
+        segs = [s for s in prod.segments if s.out == xb]
+        if prod.kind != "gemv" or len(prod.segments) != 1 or not segs or segs[0].epilogue != "residual" \
+                or segs[0].split == 1:
+            continue
+        seg = segs[0]
+        if any(xb in o.reads for o in g.ops[pi + 1:ci]):
+            raise ValueError(f"defer_reduces: {xb} is read between {prod.name} and {c.name}")
+        if any(s.residual for s in c.segments):
+            raise ValueError(f"defer_reduces: {c.name} has a residual epilogue of its own")
+        g.ops[pi] = Op(**{**prod.__dict__, "segments": (Segment(**{**seg.__dict__, "deferred": True}),),
+                          "writes": tuple(w for w in prod.writes if w != xb)})
+        g.ops[ci] = Op(**{**c.__dict__, "reduce_in": (seg.partials, seg.split, seg.residual),
+                          "reads": tuple(dict.fromkeys(c.reads + (seg.partials, seg.residual))),
+                          "writes": c.writes + (xb,)})
+    return g
+
+
 def ab_split(cfg: ModelConfig) -> int:
     """Split-K of in_proj_b|a (computed inside the GDN step; fused row count 2·n_v)."""
     return split_k(2 * cfg.linear_num_value_heads, cfg.hidden_size)
@@ -248,10 +285,11 @@ def _check_m(m: int) -> None:
         raise ValueError(f"graph: m={m} rows; expected 1..{MAX_ROWS}")
 
 
-def verify_graph(cfg: ModelConfig, m: int, layer_limit: int | None = None) -> Graph:
+def verify_graph(cfg: ModelConfig, m: int, layer_limit: int | None = None, defer_reduce: bool = False) -> Graph:
     """The target model over ``m`` rows (the current token + m−1 drafts, positions pos..pos+m−1).
 
-    ``layer_limit`` keeps the first L layers (bisect knob; the head still runs). Raises ValueError on bad m/L."""
+    ``layer_limit`` keeps the first L layers (bisect knob; the head still runs); ``defer_reduce``: residual
+    split-K reduces in the consumers' prologues (:func:`defer_reduces`). Raises ValueError on bad m/L."""
     _check_m(m)
     n = cfg.num_hidden_layers if layer_limit is None else layer_limit
     if not 0 <= n <= cfg.num_hidden_layers:
@@ -263,18 +301,19 @@ def verify_graph(cfg: ModelConfig, m: int, layer_limit: int | None = None) -> Gr
     for i in range(n):
         x = _layer(g, i, x)
     _head(g, x, "model.norm.weight")
-    return g
+    return defer_reduces(g) if defer_reduce else g
 
 
-def decode_graph(cfg: ModelConfig, layer_limit: int | None = None) -> Graph:
+def decode_graph(cfg: ModelConfig, layer_limit: int | None = None, defer_reduce: bool = False) -> Graph:
     """One decode step (M = 1)."""
-    return verify_graph(cfg, 1, layer_limit)
+    return verify_graph(cfg, 1, layer_limit, defer_reduce)
 
 
-def mtp_graph(cfg: ModelConfig, m: int = 1) -> Graph:
+def mtp_graph(cfg: ModelConfig, m: int = 1, defer_reduce: bool = False) -> Graph:
     """One MTP draft step (spec §4): x = mtp.fc(cat[norm_e(embed(tok)), norm_h(hidden)]) → the MTP full-attention
     layer (own KV cache, layer index num_hidden_layers) → mtp.norm → lm_head → argmax. ``hidden`` is the
-    final-normed hidden state of the row before (io input). Raises ValueError when the config has no MTP layer."""
+    final-normed hidden state of the row before (io input); ``defer_reduce`` as ``verify_graph``. Raises ValueError
+    when the config has no MTP layer."""
     _check_m(m)
     if cfg.mtp_num_hidden_layers != 1:
         raise ValueError("mtp_graph: the config has no MTP layer (mtp_num_hidden_layers=0)")
@@ -289,4 +328,4 @@ def mtp_graph(cfg: ModelConfig, m: int = 1) -> Graph:
     _gemv(g, "mtp.fc", L, (e, hid), ((e, "mtp.pre_fc_norm_embedding.weight"), (hid, "mtp.pre_fc_norm_hidden.weight")), segs)
     x = _layer(g, L, x)
     _head(g, x, "mtp.norm.weight")
-    return g
+    return defer_reduces(g) if defer_reduce else g

@@ -15,6 +15,11 @@ Opcodes (what each fuses; its waits come from the scheduler, its bump is its own
                [norm(buf0; w1), norm(buf4; w1+1)]; nsplit == 1: epilogue store / residual (buf2) / swiglu
                (gate row r, up row F + r of the fused w0) into buf1; nsplit > 1: fp32 partials into buf3.
                buf5 ≥ 0 (first slice of the head only): also store the normalised input there.
+               Prologue reduce_rmsnorm (graph ``defer_reduce``): the input buf0 is the output of a split-K
+               residual GEMV whose reduce was deferred to its consumers: x = fixed-order reduce of its partials
+               buf4 [S, M, K] (S = sub bits 12-19) + residual buf2, the same epilogue as GEMV_REDUCE, rebuilt
+               whole by every instruction of the op; each stores columns [aux0, aux1) of x into buf0 (the op's
+               instructions cover [0, K) between them), then normalises x with weight w1.
                sub & FUSE_REDUCE (nsplit > 1 only): after storing a tile's partial the warp counts itself in on
                the tile's arrival counter; the last of the tile's S arrivals (swiglu: 2S, gate and up tiles)
                reduces the tile in fixed split order + epilogue into buf1 (gemv.cuh qmk_gemv_finish_tile) and
@@ -50,7 +55,7 @@ from pathlib import Path
 import numpy as np
 
 MAX_WAITS = 4
-WORDS = 32
+WORDS = 34
 HEADER = Path(__file__).resolve().parents[1] / "megakernel" / "include" / "isa.h"
 
 
@@ -75,21 +80,32 @@ class Sub(enum.IntFlag):
     PRO_NONE = 0
     PRO_RMSNORM = 1
     PRO_MTP_CONCAT = 2
+    PRO_REDUCE_RMSNORM = 3
     EPI_STORE = 0 << 4
     EPI_RESIDUAL = 1 << 4
     EPI_SWIGLU = 2 << 4
     FUSE_REDUCE = 1 << 8  # GEMV with nsplit > 1: the last arriving warp of a tile reduces it (see GEMV above)
+    # bits 12-19: the producer's split count S of a reduce_rmsnorm prologue (SRC_SPLIT_SHIFT)
 
 
 FUSE_REDUCE = int(Sub.FUSE_REDUCE)
-PROLOGUES = {"none": 0, "rmsnorm": 1, "mtp_concat": 2}
+PROLOGUES = {"none": 0, "rmsnorm": 1, "mtp_concat": 2, "reduce_rmsnorm": 3}
 EPILOGUES = {"store": 0, "residual": 1, "swiglu": 2}
+SRC_SPLIT_SHIFT = 12
 
 
-def sub_word(prologue: str, epilogue: str, fuse_reduce: bool = False) -> int:
-    """Pack prologue/epilogue names (and the FUSE_REDUCE flag) into the ``sub`` word. Raises KeyError naming an
-    unknown form."""
-    return PROLOGUES[prologue] | (EPILOGUES[epilogue] << 4) | (FUSE_REDUCE if fuse_reduce else 0)
+def sub_word(prologue: str, epilogue: str, fuse_reduce: bool = False, src_split: int = 0) -> int:
+    """Pack prologue/epilogue names, the FUSE_REDUCE flag and (reduce_rmsnorm) the producer's split count into the
+    ``sub`` word. Raises KeyError naming an unknown form, ValueError for a split count outside 0..255."""
+    if not 0 <= src_split <= 255:
+        raise ValueError(f"sub_word: src_split={src_split}; expected 0..255")
+    return (PROLOGUES[prologue] | (EPILOGUES[epilogue] << 4) | (FUSE_REDUCE if fuse_reduce else 0)
+            | (src_split << SRC_SPLIT_SHIFT))
+
+
+def sub_src_split(sub: int) -> int:
+    """The producer's split count S packed by :func:`sub_word` (0 when none)."""
+    return (sub >> SRC_SPLIT_SHIFT) & 255
 
 
 def fused_reduce(ins: "Instruction") -> bool:
@@ -112,7 +128,8 @@ class Instruction:
     row_start/row_end: output rows (GEMV family, local to weight w0), key heads (GDN_STEP), KV heads
     (ATTN_PREP), split-KV units head·P + partition (ATTN_SCORES / ATTN_VALUES) or query heads (ATTN_REDUCE);
     split/nsplit: split-K index and factor; buf0..buf5: buffer-table ids; w0, w1: weight-table ids;
-    bump: counter id this instruction adds ``bump_by`` to when done; waits: (counter, expected, offset)."""
+    bump: counter id this instruction adds ``bump_by`` to when done; aux0/aux1: the columns [aux0, aux1) of its
+    input a reduce_rmsnorm GEMV stores; waits: (counter, expected, offset)."""
     opcode: int
     layer: int = -1
     sub: int = 0
@@ -133,6 +150,8 @@ class Instruction:
     bump: int = -1
     bump_by: int = 1
     nwaits: int = 0
+    aux0: int = 0
+    aux1: int = 0
     waits: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
@@ -199,7 +218,7 @@ def c_header() -> str:
     L += [f"#define QMK_F_{n.upper()} {i}" for i, n in enumerate(FIELDS)] + [""]
     L += [f"#define QMK_PRO_{k.upper()} {v}" for k, v in PROLOGUES.items()]
     L += [f"#define QMK_EPI_{k.upper()} {v}" for k, v in EPILOGUES.items()]
-    L += [f"#define QMK_SUB_FUSE_REDUCE {FUSE_REDUCE}"] + [""]
+    L += [f"#define QMK_SUB_FUSE_REDUCE {FUSE_REDUCE}", f"#define QMK_SUB_SRC_SPLIT_SHIFT {SRC_SPLIT_SHIFT}"] + [""]
     L += [f"#define QMK_BUF_{k.upper()} {v}" for k, v in BUFFER_KINDS.items()]
     L += [f"#define QMK_DT_{k.upper()} {v}" for k, v in BUFFER_DTYPES.items()] + [""]
     L += _struct("QmkBuffer", BUFFER_DTYPE) + [""] + _struct("QmkCounter", COUNTER_DTYPE)

@@ -23,7 +23,7 @@ from functools import lru_cache
 import numpy as np
 
 from assembler.graph import ab_split, layer_prefix
-from assembler.isa import Instruction, Opcode, fused_reduce, sub_parts
+from assembler.isa import Instruction, Opcode, fused_reduce, sub_parts, sub_src_split
 from assembler.numerics import ROW_TILE, attn_partition_range, attn_partitions
 from assembler.program import Program
 from assembler.ref import ops
@@ -194,6 +194,14 @@ class VM:
             return self._b(ins.buf0)
         if pro == "rmsnorm":
             return ops.rmsnorm(self._b(ins.buf0), self._get(self.p.weights[ins.w1][0]), eps)
+        if pro == "reduce_rmsnorm":  # the deferred producer's reduce (as GEMV_REDUCE), this slice's share stored
+            P = self._b(ins.buf4)
+            if P.shape[0] != sub_src_split(ins.sub):
+                raise VMError(f"{self.g.ops[ins.op].name}: sub says S={sub_src_split(ins.sub)}, partials have "
+                              f"{P.shape[0]}")
+            x = ops.gemv_reduce(np.ascontiguousarray(P), "residual", residual=self._b(ins.buf2))
+            self._b(ins.buf0)[:, ins.aux0:ins.aux1] = x[:, ins.aux0:ins.aux1]
+            return ops.rmsnorm(x, self._get(self.p.weights[ins.w1][0]), eps)
         we, wh = self._get(self.p.weights[ins.w1][0]), self._get(self.p.weights[ins.w1 + 1][0])
         return np.concatenate([ops.rmsnorm(self._b(ins.buf0), we, eps), ops.rmsnorm(self._b(ins.buf4), wh, eps)], -1)
 

@@ -48,7 +48,7 @@ def _gemv_units(op: Op, reduce: bool) -> np.ndarray:
     for gi, grp in enumerate(op.groups):
         for seg_i, a, b in grp:
             seg = op.segments[seg_i]
-            if reduce and seg.split == 1:
+            if reduce and (seg.split == 1 or seg.deferred):
                 continue
             r = np.arange(a, b, ROW_TILE)
             nb = ROW_TILE * seg.split * 4 * 2 if reduce else ROW_TILE * seg.row_bytes // seg.split
@@ -239,6 +239,10 @@ class _Builder:
                 raise ValueError(f"scheduler: {op.name}: the two MTP norm weights must be adjacent in the weight table")
         else:
             pro, src, src2, w1 = "rmsnorm", bid[op.norm[0]], -1, self.weight((op.norm[1],))
+        src_split, src_resid = 0, -1
+        if op.reduce_in:  # the norm input rebuilt from a deferred reduce (graph.defer_reduces): isa.py GEMV
+            part, src_split, resid = op.reduce_in
+            pro, src2, src_resid = "reduce_rmsnorm", bid[part], bid[resid]
         for reduce in ((False,) if self.fuse else (False, True)):
             units = _gemv_units(op, reduce)
             if not len(units):
@@ -250,19 +254,25 @@ class _Builder:
                 sms = None  # too few SMs for the op's runs: whole runs would land on single SMs
             if sms is None:
                 sms = fill
-            for a, b in _runs(units, sms):
+            runs = _runs(units, sms)
+            K8 = self.g.buffers[op.norm[0]].shape[-1] // 8 if op.reduce_in else 0
+            for ri, (a, b) in enumerate(runs):
                 gi, si, s = (int(v) for v in units[a, :3])
                 sm, r0, r1, nb = int(sms[a]), int(units[a, 3]), int(units[b - 1, 4]), int(round(units[a:b, 5].sum()))
                 seg = op.segments[si]
-                fused = self.fuse and seg.split > 1
-                final = reduce or seg.split == 1 or fused
+                fused = self.fuse and seg.split > 1 and not seg.deferred
+                final = reduce or (seg.split == 1 and not seg.deferred) or fused
+                main = not reduce
                 f = dict(opcode=Opcode.GEMV_REDUCE if reduce else Opcode.GEMV, layer=op.layer,
-                         sub=sub_word(pro if not reduce else "none", seg.epilogue, fused), m=m, row_start=r0, row_end=r1,
-                         split=s, nsplit=seg.split, buf0=src if not reduce else -1, buf1=bid[seg.out],
-                         buf2=bid[seg.residual] if seg.residual else -1,
-                         buf3=bid[seg.partials] if seg.partials else -1, buf4=src2 if not reduce else -1,
-                         w0=self.weight(seg.parts, (oi, si)), w1=w1 if not reduce else -1, op=oi,
-                         buf5=bid[op.norm_out] if op.norm_out and not reduce and a == 0 else -1)
+                         sub=sub_word(pro if main else "none", seg.epilogue, fused, src_split if main else 0), m=m,
+                         row_start=r0, row_end=r1,
+                         split=s, nsplit=seg.split, buf0=src if main else -1, buf1=bid[seg.out],
+                         buf2=bid[seg.residual] if seg.residual else (src_resid if main else -1),
+                         buf3=bid[seg.partials] if seg.partials else -1, buf4=src2 if main else -1,
+                         w0=self.weight(seg.parts, (oi, si)), w1=w1 if main else -1, op=oi,
+                         buf5=bid[op.norm_out] if op.norm_out and main and a == 0 else -1)
+                if op.reduce_in and main:  # this slice's share of the rebuilt input, 16-byte aligned
+                    f.update(aux0=8 * (K8 * ri // len(runs)), aux1=8 * (K8 * (ri + 1) // len(runs)))
                 self.emit(sm, nb, self.counter(oi, "out" if final else "part", gi), **f)
 
 

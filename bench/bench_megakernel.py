@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from discrete.weights_gpu import WeightsGPU
     from loader.config import preset
     from loader.synthetic import SyntheticWeights
-    from megakernel.runner import DEFAULT_FUSE, Megakernel, compare_steps
+    from megakernel.runner import DEFAULT_DEFER, DEFAULT_FUSE, Megakernel, compare_steps
     from megakernel.timings import collect
 
     cfg, N, ctx = preset(a.preset), a.steps, a.context
@@ -50,19 +50,21 @@ def main(argv: list[str] | None = None) -> int:
     mk3 = Megakernel(gb, gdn_split=1)  # the program as assembled (GDN per key head)
     mkr = Megakernel(gb, fuse_reduce=not DEFAULT_FUSE)  # the other split-K reduce program
     rname = "fused_reduce" if mkr.fuse_reduce else "reduce_instr"
+    mkd = Megakernel(gb, defer_reduce=not DEFAULT_DEFER)  # residual reduces deferred or as GEMV_REDUCE stages
+    dname = "no_defer" if DEFAULT_DEFER else "defer_reduce"
     print(f"setup {time.perf_counter() - t0:.1f} s; program {mk.program.stats()}", flush=True)
     for s in (ga, gb):
         s.poison()
         s.reset(ctx, [1000])
     ga.capture()
     gate = None
-    for k, m in enumerate((mk, mk3, mkr)):  # one gate step each: every variant timed below
+    for k, m in enumerate((mk, mk3, mkr, mkd)):  # one gate step each: every variant timed below
         ga.replay()
         m.step()
         m.check()
         gate = compare_steps(ga, gb, m.program, 1)
         if gate is not None:
-            gate = (["default", "gdn_split1", rname][k],) + gate
+            gate = (["default", "gdn_split1", rname, dname][k],) + gate
             break
     meta = {"preset": a.preset, "context": ctx, "timed_steps": N, "num_sms": mk.num_sms, "threads": mk.threads,
             "smem_bytes": mk.smem, "gate_identical": gate is None, "gate_first_mismatch": gate,
@@ -98,6 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     res.append({"name": f"megakernel_step_one_launch_{rname}", "shape": shape, "correct": True, "ms": r_ms,
                 **bandwidth(nbytes, r_ms), "note": f"fuse_reduce={mkr.fuse_reduce} (the default program's other "
                 "split-K reduce: in the GEMV instructions / as GEMV_REDUCE instructions)"})
+    save()
+    mkd.run_steps(2)
+    d_ms = events_ms(gb.stream, lambda: mkd.run_steps(N), N)
+    mkd.check()
+    res.append({"name": f"megakernel_step_one_launch_{dname}", "shape": shape, "correct": True, "ms": d_ms,
+                **bandwidth(nbytes, d_ms), "note": f"defer_reduce={mkd.defer_reduce} (the out / o / down split-K "
+                "reduces in the consumers' prologues / as GEMV_REDUCE instructions)"})
     save()
     l_ms = events_ms(gb.stream, lambda: [mk.step() for _ in range(N)], N)
     mk.check()

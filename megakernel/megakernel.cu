@@ -151,6 +151,28 @@ __device__ void mk_gemv(const MkParams& P, const int* w, qmk_u16* xn, MkSmemTail
     mk_rmsnorm(x, (const mx_u16*)nw.ptr, xn, M, K, sm.red);
     __syncthreads();
     x = xn;
+  } else if (pro == QMK_PRO_REDUCE_RMSNORM) {
+    // the input is a deferred split-K residual GEMV's output (isa.py): rebuilt here from its S partials (buf4) and
+    // residual (buf2) with GEMV_REDUCE's epilogue (same function, same split order: same bits), columns
+    // [aux0, aux1) stored to buf0 for its later readers, then normalised in place
+    const MkWeight nw = reinterpret_cast<const MkWeight*>(P.weights)[w[QMK_F_W1]];
+    const float* part = mk_buf<const float>(P, w[QMK_F_BUF4]);
+    const qmk_u16* resid = mk_buf<const qmk_u16>(P, w[QMK_F_BUF2]);
+    const int S2 = (sub >> QMK_SUB_SRC_SPLIT_SHIFT) & 255;
+    for (int i = threadIdx.x; i < M * K; i += MK_THREADS) {
+      const int m = i / K, k = i - m * K;
+      xn[i] = qmk_gemv_epilogue<true>(QMK_EPI_RESIDUAL, part, S2, M, K, m, k, resid);  // L2 reads
+    }
+    __syncthreads();
+    qmk_u16* xo = mk_buf<qmk_u16>(P, w[QMK_F_BUF0]);
+    const int a0 = w[QMK_F_AUX0], na = w[QMK_F_AUX1] - a0;
+    for (int i = threadIdx.x; i < M * na; i += MK_THREADS) {
+      const int m = i / na, k = a0 + (i - m * na);
+      xo[(size_t)m * K + k] = xn[m * K + k];
+    }
+    mk_rmsnorm(xn, (const mx_u16*)nw.ptr, xn, M, K, sm.red);
+    __syncthreads();
+    x = xn;
   } else if (pro != QMK_PRO_NONE) {
     if (threadIdx.x == 0) mk_fail(P, MK_ERR_PROLOGUE, pro);
   }

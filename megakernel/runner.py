@@ -36,6 +36,7 @@ COUNTER_SEED = 0xFFFFFF00  # counters start near the uint32 wrap: the wait arith
 SMEM_LIMIT = 232448  # dynamic shared memory per block on sm_90 (227 KB)
 RING_MAX = 3         # GEMV ring slots per warp at most (gemv.cuh supports ≤ 8; 6 measured 2 ms slower, session 3)
 DEFAULT_FUSE = False  # Megakernel's default program: GEMV_REDUCE instructions (the fused tail measured slower)
+DEFAULT_DEFER = True  # residual split-K reduces in the consumers' prologues (graph.defer_reduces; session 8)
 PREFETCH = 1         # QMK_MK_PREFETCH: a GEMV issues its first RING - 1 ring units before waiting for its input
 ERRORS = {1: "unknown opcode", 2: "unsupported GEMV prologue (MTP concat)",
           3: "bad row range",
@@ -106,10 +107,10 @@ def ring_slots(cfg: ModelConfig) -> int:
 
 @functools.lru_cache(maxsize=16)
 def build_program(cfg: ModelConfig, m: int, num_sms: int, layer_limit: int | None = None,
-                  fuse_reduce: bool = DEFAULT_FUSE):
-    """The assembled program of ``verify_graph(cfg, m, layer_limit)`` for ``num_sms`` SMs (cached per process:
-    the 27B schedule takes seconds; callers never modify it)."""
-    return schedule(verify_graph(cfg, m, layer_limit), num_sms, fuse_reduce)
+                  fuse_reduce: bool = DEFAULT_FUSE, defer_reduce: bool = DEFAULT_DEFER):
+    """The assembled program of ``verify_graph(cfg, m, layer_limit, defer_reduce)`` for ``num_sms`` SMs (cached per
+    process: the 27B schedule takes seconds; callers never modify it)."""
+    return schedule(verify_graph(cfg, m, layer_limit, defer_reduce), num_sms, fuse_reduce)
 
 
 def _cover_waits(prog, ins) -> tuple:
@@ -237,13 +238,15 @@ class Megakernel:
 
     ``num_sms``: blocks (default: the device's SM count); ``m_rows``: rows per step (default the step's m);
     ``layer_limit``, ``stop_after``, ``nop``, ``timing``, ``drop_wait``, ``delay_op``/``delay_ns``: see the
-    module docstring. Raises ValueError on bad arguments and RuntimeError when the device cannot hold exactly
+    module docstring; ``defer_reduce``: the program with residual split-K reduces in the consumers' prologues
+    (``DEFAULT_DEFER``; False: GEMV_REDUCE instructions for them as before session 8). Raises ValueError on bad arguments and RuntimeError when the device cannot hold exactly
     one block per SM (or when the kernel reports an error)."""
 
     def __init__(self, decode_step, num_sms: int | None = None, *, m_rows: int | None = None,
                  layer_limit: int | None = None, stop_after: int | None = None, nop: bool = False,
                  timing: bool = False, drop_wait=None, delay_op: int = -1, delay_ns: int = 0,
-                 gdn_split: int | None = None, defines: dict | None = None, fuse_reduce: bool = DEFAULT_FUSE):
+                 gdn_split: int | None = None, defines: dict | None = None, fuse_reduce: bool = DEFAULT_FUSE,
+                 defer_reduce: bool = DEFAULT_DEFER):
         import cupy as cp
         self.ds, self.cfg = decode_step, decode_step.cfg
         cfg = self.cfg
@@ -253,7 +256,8 @@ class Megakernel:
         if not 1 <= self.m <= MAX_ROWS:
             raise ValueError(f"Megakernel: m_rows={self.m}; expected 1..{MAX_ROWS}")
         self.fuse_reduce = bool(fuse_reduce)
-        self.program = build_program(cfg, self.m, self.num_sms, layer_limit, self.fuse_reduce)
+        self.defer_reduce = bool(defer_reduce)
+        self.program = build_program(cfg, self.m, self.num_sms, layer_limit, self.fuse_reduce, self.defer_reduce)
         if gdn_split is None:  # default: every value head its own GDN_STEP (measured faster on the 27B, run 7)
             gdn_split = cfg.gdn_head_group
         if gdn_split > 1:

@@ -37,6 +37,8 @@ def variants() -> list[tuple[str, bool, dict]]:
     return [
         ("default", False, {}),
         ("fused", True, {}),
+        # session 8: residual split-K reduces in the consumers' prologues (the default) or as GEMV_REDUCE stages
+        ("no_defer", False, {"_defer_reduce": 0}),
         # session 8: the counter protocol (sync.cuh, mk_wait_all); the default is fence 0, acquire polls, no sleep
         ("sync_s7", False, {"QMK_MK_BUMP_FENCE": 1, "QMK_MK_POLL_ACQUIRE": 0, "QMK_MK_SPIN_NS": 32}),
         ("bump_fence", False, {"QMK_MK_BUMP_FENCE": 1}),
@@ -64,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         keep = set(a.only.split(","))
         vs = [v for v in vs if v[0] in keep]
     t0 = time.perf_counter()
-    runner.warm([], jobs=[(PRESET, [str(runner.SOURCE)], {"fuse_reduce": f, "timing": False, "extra": x}, True)
+    defs = lambda x: {k: v for k, v in x.items() if not k.startswith("_")} or None  # noqa: E731 ("_": a program knob)
+    runner.warm([], jobs=[(PRESET, [str(runner.SOURCE)], {"fuse_reduce": f, "timing": False, "extra": defs(x)}, True)
                           for _, f, x in vs])
     print(f"compiled {len(vs)} variants in {time.perf_counter() - t0:.1f} s", flush=True)
     cfg, N = preset(PRESET), a.steps
@@ -72,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     cap = CTX + N * (a.rounds * len(vs) + 4) + 64
     ga = DecodeStep(cfg, w, cap, 1, debug_logits=True)
     gb = DecodeStep(cfg, w, cap, 1, debug_logits=True)
-    mks = [(name, Megakernel(gb, fuse_reduce=f, defines=x)) for name, f, x in vs]
+    mks = [(name, Megakernel(gb, fuse_reduce=f, defines=defs(x),
+                             defer_reduce=bool(x.get("_defer_reduce", runner.DEFAULT_DEFER)))) for name, f, x in vs]
     for s in (ga, gb):
         s.poison()
         s.reset(CTX, [1000])

@@ -20,7 +20,7 @@ MAX_SMS = 1024  # far above any GPU's SM count; the assembler's time and memory 
 
 # options that shape the assembled program; --timings runs the megakernel's own default decode program instead
 _PROGRAM_ONLY = {"layer_limit": "--layer-limit", "rows": "--rows", "kind": "--kind", "fuse_reduce": "--fuse-reduce",
-                 "check": "--verify", "gdn_split": "--gdn-split"}
+                 "defer_reduce": "--defer-reduce", "check": "--verify", "gdn_split": "--gdn-split"}
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -36,6 +36,9 @@ _PROGRAM_ONLY = {"layer_limit": "--layer-limit", "rows": "--rows", "kind": "--ki
 @click.option("--kind", type=click.Choice(["decode", "mtp"]), default="decode", show_default=True)
 @click.option("--fuse-reduce/--no-fuse-reduce", default=None,
               help="split-K reduce inside the GEMV instructions (default: the megakernel's default program)")
+@click.option("--defer-reduce/--no-defer-reduce", default=None,
+              help="residual split-K reduces in the consumers' prologues instead of GEMV_REDUCE stages (default: the "
+                   "megakernel's default program)")
 @click.option("--gdn-split", type=click.IntRange(min=1), default=1, show_default=True,
               help="split every GDN step over its key head's value heads in this many parts, as the megakernel runner "
                    "does (its default: the head group, one part per value head; 1 = the program as assembled)")
@@ -43,12 +46,14 @@ _PROGRAM_ONLY = {"layer_limit": "--layer-limit", "rows": "--rows", "kind": "--ki
               help="also run the static verifier (slow for the 27B); its summary goes into the stats ('verified')")
 @click.option("--timings", is_flag=True, help="run the megakernel's default decode program (2 steps) on the GPU with "
               "per-instruction timing slots (QMK_MK_TIMING build) and print them as JSON; takes --preset, --sms, "
-              "--context (and --format json); refuses --layer-limit, --rows, --kind, --fuse-reduce, --verify, "
+              "--context (and --format json); refuses --layer-limit, --rows, --kind, --fuse-reduce, --defer-reduce, "
+              "--verify, "
               "--format text/stats; exit 7 without a GPU")
 @click.option("--context", type=click.IntRange(min=0), default=0, show_default=True,
               help="with --timings: start position; otherwise the KV context whose attention bytes the stats add")
 def command(preset_name: str, sms: int, fmt: str, layer_limit: int | None, rows: int, kind: str,
-            fuse_reduce: bool | None, gdn_split: int, check: bool, timings: bool, context: int) -> None:
+            fuse_reduce: bool | None, defer_reduce: bool | None, gdn_split: int, check: bool, timings: bool,
+            context: int) -> None:
     """Print the instruction program of one step and its stats (bytes per SM, imbalance, waits, critical path)."""
     if timings:
         ctx = click.get_current_context()
@@ -74,7 +79,10 @@ def command(preset_name: str, sms: int, fmt: str, layer_limit: int | None, rows:
     cfg = preset(preset_name)
     if layer_limit is not None and layer_limit > cfg.num_hidden_layers:
         raise click.BadParameter(f"{layer_limit} > num_hidden_layers ({cfg.num_hidden_layers})", param_hint="--layer-limit")
-    g = mtp_graph(cfg, rows) if kind == "mtp" else verify_graph(cfg, rows, layer_limit)
+    if defer_reduce is None:
+        from megakernel.runner import DEFAULT_DEFER
+        defer_reduce = DEFAULT_DEFER
+    g = mtp_graph(cfg, rows, defer_reduce) if kind == "mtp" else verify_graph(cfg, rows, layer_limit, defer_reduce)
     if fuse_reduce is None:
         from megakernel.runner import DEFAULT_FUSE
         fuse_reduce = DEFAULT_FUSE

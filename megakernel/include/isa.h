@@ -4,9 +4,9 @@
 
 // An instruction is QMK_ISA_WORDS int32 words: fields at QMK_F_* offsets, then QMK_ISA_MAX_WAITS
 // (counter, expected, offset) triples from QMK_ISA_WAITS_OFFSET; wait until counter >= step*expected+offset.
-#define QMK_ISA_WORDS 32
+#define QMK_ISA_WORDS 34
 #define QMK_ISA_MAX_WAITS 4
-#define QMK_ISA_WAITS_OFFSET 20
+#define QMK_ISA_WAITS_OFFSET 22
 
 #define QMK_OP_NOP 0
 #define QMK_OP_EMBED 1
@@ -39,14 +39,18 @@
 #define QMK_F_BUMP 17
 #define QMK_F_BUMP_BY 18
 #define QMK_F_NWAITS 19
+#define QMK_F_AUX0 20
+#define QMK_F_AUX1 21
 
 #define QMK_PRO_NONE 0
 #define QMK_PRO_RMSNORM 1
 #define QMK_PRO_MTP_CONCAT 2
+#define QMK_PRO_REDUCE_RMSNORM 3
 #define QMK_EPI_STORE 0
 #define QMK_EPI_RESIDUAL 1
 #define QMK_EPI_SWIGLU 2
 #define QMK_SUB_FUSE_REDUCE 256
+#define QMK_SUB_SRC_SPLIT_SHIFT 12
 
 #define QMK_BUF_ACT 0
 #define QMK_BUF_PARTIAL 1

@@ -44,9 +44,11 @@ def test_inspect_json_keeps_the_verifier_result_and_the_context():
 def test_inspect_json_without_verify_is_the_program_dump():
     from assembler.graph import verify_graph
     from assembler.scheduler import schedule
-    from megakernel.runner import DEFAULT_FUSE
+    from megakernel.runner import DEFAULT_DEFER, DEFAULT_FUSE
     r = run(["inspect", "--preset", "tiny", "--sms", "7", "--format", "json"])
     assert r.exit_code == 0, r.output
+    assert r.output == schedule(verify_graph(preset("tiny"), 1, None, DEFAULT_DEFER), 7, DEFAULT_FUSE).to_json() + "\n"
+    r = run(["inspect", "--preset", "tiny", "--sms", "7", "--format", "json", "--no-defer-reduce"])
     assert r.output == schedule(verify_graph(preset("tiny"), 1, None), 7, DEFAULT_FUSE).to_json() + "\n"
 
 

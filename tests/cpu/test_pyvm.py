@@ -53,10 +53,11 @@ def same_state(a, b, cfg):
     assert a.pos == b.pos
 
 
-def run_sequence(w, exp, sms, orders, fuse_reduce=True):
+def run_sequence(w, exp, sms, orders, fuse_reduce=True, defer_reduce=False):
     cfg = w.config
     st = exp["start"].copy()
-    vms = {m: VM(schedule(verify_graph(cfg, m), sms, fuse_reduce=fuse_reduce), w, CACHE) for m in (1, 3)}
+    vms = {m: VM(schedule(verify_graph(cfg, m, defer_reduce=defer_reduce), sms, fuse_reduce=fuse_reduce), w, CACHE)
+           for m in (1, 3)}
     for (ids, logits, st_ref), (order, seed) in zip(exp["steps"], orders):
         got, nxt = vms[len(ids)].run_step(st, ids, order=order, seed=seed)
         assert np.array_equal(got.view(np.uint16), logits.view(np.uint16)), f"logits differ (sms={sms}, {order})"
@@ -80,6 +81,16 @@ def test_vm_reduce_instr_program(ref, expected):
     into the GEMV instructions (the VM reduces each tile inside its last-arriving split, whichever that is)."""
     seed = int(np.random.default_rng().integers(0, 1 << 30))
     run_sequence(ref[0], expected, 7, [("rr", 0), ("random", seed), ("random", seed + 1)], fuse_reduce=False)
+
+
+@pytest.mark.parametrize("sms", [1, 7, 132])
+@pytest.mark.parametrize("fuse_reduce", [False, True])
+def test_vm_deferred_reduce(ref, expected, sms, fuse_reduce):
+    """Residual split-K reduces deferred to the consumers' prologues (graph.defer_reduces, isa.py reduce_rmsnorm)
+    stay bit-identical to the reference, M = 1 and 3, in order and in random interleavings."""
+    seed = int(np.random.default_rng().integers(0, 1 << 30))
+    run_sequence(ref[0], expected, sms, [("rr", 0), ("random", seed), ("random", seed + 1)], fuse_reduce=fuse_reduce,
+                 defer_reduce=True)
 
 
 @pytest.mark.slow

@@ -198,3 +198,39 @@ def test_history_read_without_writer_caught(monkeypatch):
     monkeypatch.setattr(V, "history_reads", fake)
     with pytest.raises(VerifyError, match="no instruction writes"):
         verify(p)
+
+
+@pytest.mark.parametrize("sms,m,fuse", [(7, 1, False), (132, 1, False), (5, 3, True), (7, 8, False)])
+def test_deferred_reduce_programs_verify(sms, m, fuse):
+    """graph.defer_reduces (session 8): the out / o / down reduces rebuilt in the consumers' prologues. The decode
+    / verify programs (also split over value heads, as the runner runs them) and the MTP program verify; the
+    consumers' slices cover the hidden row between them; a slice left out is caught (its readers read columns
+    nothing writes), and so is a dropped wait of a consumer on the deferred producer's partials."""
+    from assembler.isa import sub_parts
+    from megakernel.runner import split_gdn
+    cfg = preset("tiny")
+    p = schedule(verify_graph(cfg, m, defer_reduce=True), sms, fuse_reduce=fuse)
+    verify(p)
+    verify(split_gdn(p, cfg.gdn_head_group))
+    verify(schedule(mtp_graph(cfg, 2, defer_reduce=True), 6))
+    cons = [(s, j) for s, l in enumerate(p.sm_lists) for j, i in enumerate(l)
+            if i.opcode == Opcode.GEMV and sub_parts(i.sub)[0] == "reduce_rmsnorm"]
+    assert cons and not any(i.opcode == Opcode.GEMV_REDUCE and p.graph.ops[i.op].name.endswith((".out", ".down"))
+                            for l in p.sm_lists for i in l)
+    by_op: dict = {}
+    for s, j in cons:
+        i = p.sm_lists[s][j]
+        by_op.setdefault(i.op, []).append((i.aux0, i.aux1))
+    for op, sl in by_op.items():
+        sl.sort()
+        assert sl[0][0] == 0 and sl[-1][1] == cfg.hidden_size and all(a[1] == b[0] for a, b in zip(sl, sl[1:])), op
+    s, j = next(x for x in cons if p.sm_lists[x[0]][x[1]].aux1 > p.sm_lists[x[0]][x[1]].aux0)
+    ins = p.sm_lists[s][j]
+    p.sm_lists[s][j] = dataclasses.replace(ins, aux1=ins.aux0)
+    with pytest.raises(VerifyError, match="no instruction of the step writes"):
+        verify(p)
+    p.sm_lists[s][j] = ins
+    s, j = next(x for x in cons if p.sm_lists[x[0]][x[1]].nwaits)
+    _drop_wait(p, s, j, 0)
+    with pytest.raises(VerifyError):
+        verify(p)

@@ -16,7 +16,7 @@ import pytest
 
 cp = pytest.importorskip("cupy")
 
-from assembler.isa import Opcode  # noqa: E402
+from assembler.isa import Opcode, sub_parts  # noqa: E402
 from loader.config import preset  # noqa: E402
 
 STEPS = int(os.environ.get("QMK_MK_TEST_STEPS", "64"))  # scripts/sanitize.sh runs fewer (the tools are ~100× slower)
@@ -68,16 +68,20 @@ def _tokens(rng, m):
     return rng.integers(0, 248000, size=m).astype(np.int32)
 
 
+@pytest.mark.parametrize("defer_reduce", [True, False], ids=["defer", "no_defer"])
 @pytest.mark.parametrize("fuse_reduce", [True, False], ids=["fused_reduce", "reduce_instr"])
 @pytest.mark.parametrize("gdn_split", [1, 3], ids=["program", "gdn_split3"])
-def test_m1_greedy_64_steps_bit_identical(gpu, weights, gdn_split, fuse_reduce):
+def test_m1_greedy_64_steps_bit_identical(gpu, weights, gdn_split, fuse_reduce, defer_reduce):
     """Greedy decode: A replays the graph, B runs one megakernel launch per step; both feed back their own
     argmax (the finish stage), so any difference anywhere propagates. gdn_split3: each GDN_STEP's value heads
-    spread over 3 SMs (runner.split_gdn). fused_reduce (default): the split-K reduce done by each tile's last
-    arriving GEMV warp; reduce_instr: the old program with GEMV_REDUCE instructions. The fused reduce's tile
-    arrival counters must be back at 0 after every step (the last arrival resets them)."""
-    a, b, mk = _pair(weights, 1, gdn_split=gdn_split, fuse_reduce=fuse_reduce)
+    spread over 3 SMs (runner.split_gdn). fused_reduce: the split-K reduce done by each tile's last arriving GEMV
+    warp; reduce_instr (the runner's default): GEMV_REDUCE instructions. defer (the runner's default): the out / o
+    / down reduces rebuilt in the next GEMV's prologue (isa.py reduce_rmsnorm), no instruction of their own. The
+    fused reduce's tile arrival counters must be back at 0 after every step (the last arrival resets them)."""
+    a, b, mk = _pair(weights, 1, gdn_split=gdn_split, fuse_reduce=fuse_reduce, defer_reduce=defer_reduce)
     assert any(i.opcode == Opcode.GEMV_REDUCE for l in mk.program.sm_lists for i in l) != fuse_reduce
+    assert any(i.opcode == Opcode.GEMV and sub_parts(i.sub)[0] == "reduce_rmsnorm" for l in mk.program.sm_lists
+               for i in l) == defer_reduce
     for s in (a, b):
         s.reset(0, [1234])
     a.capture()
