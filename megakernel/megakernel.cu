@@ -87,6 +87,44 @@ __device__ __noinline__ void mk_rmsnorm(const mx_u16* x, const mx_u16* nw, mx_u1
   mx_rmsnorm_rows<MK_THREADS>(x, n, nw, y, n, M, n, red);
 }
 
+// The input x [M, K] of a reduce_rmsnorm GEMV (isa.py) into xs (shared memory): the deferred residual GEMV's
+// fixed-order split-K reduce + residual epilogue — gemv.cuh's functions, so the same bits as GEMV_REDUCE. For the
+// usual split counts (S fixed at compile time) each thread loads MK_REBUILD_BATCH outputs' partials and residuals
+// before adding any, so they are in flight together (one element after another, each waits an L2 round trip);
+// other S: qmk_gemv_epilogue per element. Not inlined, as mk_rmsnorm. Batch 4: at 5 the M = 1 build spilled more
+// (312 / 508 → 332 / 568 B).
+#define MK_REBUILD_BATCH 4
+template <int SC>
+__device__ __forceinline__ void mk_rebuild_rows(const float* part, const qmk_u16* resid, qmk_u16* xs, int M, int K) {
+  const int n = M * K;
+  for (int base = threadIdx.x; base < n; base += MK_REBUILD_BATCH * MK_THREADS) {
+    float v[MK_REBUILD_BATCH][SC];
+    qmk_u16 r[MK_REBUILD_BATCH];
+#pragma unroll
+    for (int b = 0; b < MK_REBUILD_BATCH; ++b) {
+      const int i = base + b * MK_THREADS < n ? base + b * MK_THREADS : 0;  // past the end: element 0, not stored
+      const int m = i / K;
+      qmk_gemv_load_splits<SC>(part, M, K, m, i - m * K, v[b]);
+      r[b] = resid[i];
+    }
+#pragma unroll
+    for (int b = 0; b < MK_REBUILD_BATCH; ++b)
+      if (base + b * MK_THREADS < n) xs[base + b * MK_THREADS] = qmk_gemv_residual(qmk_gemv_sum_splits<SC>(v[b]), r[b]);
+  }
+}
+
+__device__ __noinline__ void mk_rebuild_input(const float* part, int S, const qmk_u16* resid, qmk_u16* xs, int M,
+                                              int K) {
+  switch (S) {  // the 27B's out / o / down: 8
+    case 4: mk_rebuild_rows<4>(part, resid, xs, M, K); return;
+    case 8: mk_rebuild_rows<8>(part, resid, xs, M, K); return;
+  }
+  for (int i = threadIdx.x; i < M * K; i += MK_THREADS) {
+    const int m = i / K;
+    xs[i] = qmk_gemv_epilogue<true>(QMK_EPI_RESIDUAL, part, S, M, K, m, i - m * K, resid);  // L2 reads
+  }
+}
+
 // One 16-row tile of weight W (fp8 block-scaled or bf16) over K-blocks [kb0, kb1): the shared gemv.cuh tile
 // (with QMK_MK_RING ≥ 2 its cp.async shared-memory ring variant, bit-identical; this warp's ring at `ring`;
 // issued: mk_gemv_prefetch already started this tile's first units).
@@ -158,11 +196,7 @@ __device__ void mk_gemv(const MkParams& P, const int* w, qmk_u16* xn, MkSmemTail
     const MkWeight nw = reinterpret_cast<const MkWeight*>(P.weights)[w[QMK_F_W1]];
     const float* part = mk_buf<const float>(P, w[QMK_F_BUF4]);
     const qmk_u16* resid = mk_buf<const qmk_u16>(P, w[QMK_F_BUF2]);
-    const int S2 = (sub >> QMK_SUB_SRC_SPLIT_SHIFT) & 255;
-    for (int i = threadIdx.x; i < M * K; i += MK_THREADS) {
-      const int m = i / K, k = i - m * K;
-      xn[i] = qmk_gemv_epilogue<true>(QMK_EPI_RESIDUAL, part, S2, M, K, m, k, resid);  // L2 reads
-    }
+    mk_rebuild_input(part, (sub >> QMK_SUB_SRC_SPLIT_SHIFT) & 255, resid, xn, M, K);
     __syncthreads();
     qmk_u16* xo = mk_buf<qmk_u16>(P, w[QMK_F_BUF0]);
     const int a0 = w[QMK_F_AUX0], na = w[QMK_F_AUX1] - a0;

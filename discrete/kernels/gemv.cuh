@@ -226,6 +226,26 @@ __device__ __forceinline__ float qmk_gemv_reduce_at(const float* P, int S, int M
     return y;
 }
 
+// The same reduce in two parts, for a caller that loads several outputs' partials before adding any (S = SC fixed
+// at compile time): the SC partials of output (m, n) at L2, then their sum in split order (qmk_gemv_reduce_at's).
+template <int SC>
+__device__ __forceinline__ void qmk_gemv_load_splits(const float* P, int M, int N, int m, int n, float (&v)[SC]) {
+#pragma unroll
+    for (int s = 0; s < SC; ++s) v[s] = __ldcg(P + ((size_t)s * M + m) * N + n);
+}
+template <int SC>
+__device__ __forceinline__ float qmk_gemv_sum_splits(const float (&v)[SC]) {
+    float y = v[0];
+#pragma unroll
+    for (int s = 1; s < SC; ++s) y = __fadd_rn(y, v[s]);
+    return y;
+}
+
+// residual epilogue of a reduced output y with residual r: bf16(f32(bf16(y)) + f32(r))
+__device__ __forceinline__ qmk_u16 qmk_gemv_residual(float y, qmk_u16 r) {
+    return qmk_f2bf(__fadd_rn(qmk_round_bf16(y), qmk_bf2f(r)));
+}
+
 // Epilogue of output (m, n) (INTERFACES §2). store: bf16(y); residual: bf16(f32(bf16(y)) + f32(r[m, n]));
 // swiglu (N = 2F rows, gate row n, up row F + n, n < F): bf16(f32(bf16(silu(f32(bf16(g))))) · f32(bf16(u))).
 template <bool CG = false>
@@ -238,7 +258,7 @@ __device__ __forceinline__ qmk_u16 qmk_gemv_epilogue(int epi, const float* P, in
         return qmk_f2bf(__fmul_rn(qmk_round_bf16(qmk_silu(g)), u));
     }
     const float y = qmk_gemv_reduce_at<CG>(P, S, M, N, m, n);
-    if (epi == QMK_EPI_RESIDUAL) return qmk_f2bf(__fadd_rn(qmk_round_bf16(y), qmk_bf2f(resid[(size_t)m * N + n])));
+    if (epi == QMK_EPI_RESIDUAL) return qmk_gemv_residual(y, resid[(size_t)m * N + n]);
     return qmk_f2bf(y);
 }
 
