@@ -126,6 +126,7 @@ def _cover_waits(prog, ins) -> tuple:
     xname = prog.buffers[ins.buf2].name
     prod = next(oi for oi, op in enumerate(g.ops) if xname in op.writes)
     want += [i for i, c in enumerate(prog.counters) if c.op == prod and c.stage == "out"]
+    want = list(dict.fromkeys(want))  # deferred reduces (graph.defer_reduces): x's producer is the in-projection
     if len(want) > 4:
         raise ValueError(f"split_gdn: a GDN part would need {len(want)} waits")
     return tuple((c, prog.counters[c].expected, 0) for c in want)
