@@ -255,7 +255,8 @@ class _Builder:
             if sms is None:
                 sms = fill
             runs = _runs(units, sms)
-            K8 = self.g.buffers[op.norm[0]].shape[-1] // 8 if op.reduce_in else 0
+            K = self.g.buffers[op.norm[0]].shape[-1] if op.reduce_in else 0
+            K8 = K // 8
             for ri, (a, b) in enumerate(runs):
                 gi, si, s = (int(v) for v in units[a, :3])
                 sm, r0, r1, nb = int(sms[a]), int(units[a, 3]), int(units[b - 1, 4]), int(round(units[a:b, 5].sum()))
@@ -271,8 +272,9 @@ class _Builder:
                          buf3=bid[seg.partials] if seg.partials else -1, buf4=src2 if main else -1,
                          w0=self.weight(seg.parts, (oi, si)), w1=w1 if main else -1, op=oi,
                          buf5=bid[op.norm_out] if op.norm_out and main and a == 0 else -1)
-                if op.reduce_in and main:  # this slice's share of the rebuilt input, 16-byte aligned
-                    f.update(aux0=8 * (K8 * ri // len(runs)), aux1=8 * (K8 * (ri + 1) // len(runs)))
+                if op.reduce_in and main:  # this slice's share of the rebuilt input: multiples of 8 columns,
+                    last = ri == len(runs) - 1  # the last share to K whatever K is
+                    f.update(aux0=8 * (K8 * ri // len(runs)), aux1=K if last else 8 * (K8 * (ri + 1) // len(runs)))
                 self.emit(sm, nb, self.counter(oi, "out" if final else "part", gi), **f)
 
 

@@ -115,8 +115,9 @@ __device__ __forceinline__ void mk_rebuild_rows(const float* part, const qmk_u16
 
 __device__ __noinline__ void mk_rebuild_input(const float* part, int S, const qmk_u16* resid, qmk_u16* xs, int M,
                                               int K) {
-  switch (S) {  // the 27B's out / o / down: 8
+  switch (S) {  // the 27B's out / o / down: 8; tiny's GDN out / down: 6 (so the GPU tests run this path too)
     case 4: mk_rebuild_rows<4>(part, resid, xs, M, K); return;
+    case 6: mk_rebuild_rows<6>(part, resid, xs, M, K); return;
     case 8: mk_rebuild_rows<8>(part, resid, xs, M, K); return;
   }
   for (int i = threadIdx.x; i < M * K; i += MK_THREADS) {
@@ -204,6 +205,8 @@ __device__ void mk_gemv(const MkParams& P, const int* w, qmk_u16* xn, MkSmemTail
       const int m = i / na, k = a0 + (i - m * na);
       xo[(size_t)m * K + k] = xn[m * K + k];
     }
+    // in place (x and y are __restrict__ in mx_rmsnorm_rows): each element is read and written by one thread, the
+    // writes after the block sum's barriers
     mk_rmsnorm(xn, (const mx_u16*)nw.ptr, xn, M, K, sm.red);
     __syncthreads();
     x = xn;

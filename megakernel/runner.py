@@ -36,9 +36,11 @@ COUNTER_SEED = 0xFFFFFF00  # counters start near the uint32 wrap: the wait arith
 SMEM_LIMIT = 232448  # dynamic shared memory per block on sm_90 (227 KB)
 RING_MAX = 3         # GEMV ring slots per warp at most (gemv.cuh supports ≤ 8; 6 measured 2 ms slower, session 3)
 DEFAULT_FUSE = False  # Megakernel's default program: GEMV_REDUCE instructions (the fused tail measured slower)
-DEFAULT_DEFER = True  # residual split-K reduces in the consumers' prologues (graph.defer_reduces; session 8)
+# residual split-K reduces in the consumers' prologues (graph.defer_reduces; session 8) for 1-row programs; at M rows
+# every consumer instruction re-reads S·M·K partials (M = 8, 27B: ≈ 1.3 MB each), so M > 1 keeps GEMV_REDUCE
+DEFAULT_DEFER = True
 PREFETCH = 1         # QMK_MK_PREFETCH: a GEMV issues its first RING - 1 ring units before waiting for its input
-ERRORS = {1: "unknown opcode", 2: "unsupported GEMV prologue (MTP concat)",
+ERRORS = {1: "unknown opcode", 2: "unsupported GEMV prologue (MTP concat, or an unknown one)",
           3: "bad row range",
           4: "fused split-K reduce in the program, but the module was built without it",
           5: "a GEMV of M != 1 rows, but the module was built for M = 1"}
@@ -107,9 +109,12 @@ def ring_slots(cfg: ModelConfig) -> int:
 
 @functools.lru_cache(maxsize=16)
 def build_program(cfg: ModelConfig, m: int, num_sms: int, layer_limit: int | None = None,
-                  fuse_reduce: bool = DEFAULT_FUSE, defer_reduce: bool = DEFAULT_DEFER):
+                  fuse_reduce: bool = DEFAULT_FUSE, defer_reduce: bool | None = None):
     """The assembled program of ``verify_graph(cfg, m, layer_limit, defer_reduce)`` for ``num_sms`` SMs (cached per
-    process: the 27B schedule takes seconds; callers never modify it)."""
+    process: the 27B schedule takes seconds; callers never modify it). ``defer_reduce`` None: DEFAULT_DEFER for
+    m = 1, False for more rows."""
+    if defer_reduce is None:
+        defer_reduce = DEFAULT_DEFER and m == 1
     return schedule(verify_graph(cfg, m, layer_limit, defer_reduce), num_sms, fuse_reduce)
 
 
@@ -240,14 +245,15 @@ class Megakernel:
     ``num_sms``: blocks (default: the device's SM count); ``m_rows``: rows per step (default the step's m);
     ``layer_limit``, ``stop_after``, ``nop``, ``timing``, ``drop_wait``, ``delay_op``/``delay_ns``: see the
     module docstring; ``defer_reduce``: the program with residual split-K reduces in the consumers' prologues
-    (``DEFAULT_DEFER``; False: GEMV_REDUCE instructions for them as before session 8). Raises ValueError on bad arguments and RuntimeError when the device cannot hold exactly
+    (None: ``DEFAULT_DEFER`` for 1-row steps, off for more rows; False: GEMV_REDUCE instructions for them as
+    before session 8). Raises ValueError on bad arguments and RuntimeError when the device cannot hold exactly
     one block per SM (or when the kernel reports an error)."""
 
     def __init__(self, decode_step, num_sms: int | None = None, *, m_rows: int | None = None,
                  layer_limit: int | None = None, stop_after: int | None = None, nop: bool = False,
                  timing: bool = False, drop_wait=None, delay_op: int = -1, delay_ns: int = 0,
                  gdn_split: int | None = None, defines: dict | None = None, fuse_reduce: bool = DEFAULT_FUSE,
-                 defer_reduce: bool = DEFAULT_DEFER):
+                 defer_reduce: bool | None = None):
         import cupy as cp
         self.ds, self.cfg = decode_step, decode_step.cfg
         cfg = self.cfg
@@ -257,7 +263,7 @@ class Megakernel:
         if not 1 <= self.m <= MAX_ROWS:
             raise ValueError(f"Megakernel: m_rows={self.m}; expected 1..{MAX_ROWS}")
         self.fuse_reduce = bool(fuse_reduce)
-        self.defer_reduce = bool(defer_reduce)
+        self.defer_reduce = bool(DEFAULT_DEFER and self.m == 1) if defer_reduce is None else bool(defer_reduce)
         self.program = build_program(cfg, self.m, self.num_sms, layer_limit, self.fuse_reduce, self.defer_reduce)
         if gdn_split is None:  # default: every value head its own GDN_STEP (measured faster on the 27B, run 7)
             gdn_split = cfg.gdn_head_group

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     ga = DecodeStep(cfg, w, cap, 1, debug_logits=True)
     gb = DecodeStep(cfg, w, cap, 1, debug_logits=True)
     mks = [(name, Megakernel(gb, fuse_reduce=f, defines=defs(x),
-                             defer_reduce=bool(x.get("_defer_reduce", runner.DEFAULT_DEFER)))) for name, f, x in vs]
+                             defer_reduce=None if "_defer_reduce" not in x else bool(x["_defer_reduce"]))) for name, f, x in vs]
     for s in (ga, gb):
         s.poison()
         s.reset(CTX, [1000])

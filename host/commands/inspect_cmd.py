@@ -81,7 +81,7 @@ def command(preset_name: str, sms: int, fmt: str, layer_limit: int | None, rows:
         raise click.BadParameter(f"{layer_limit} > num_hidden_layers ({cfg.num_hidden_layers})", param_hint="--layer-limit")
     if defer_reduce is None:
         from megakernel.runner import DEFAULT_DEFER
-        defer_reduce = DEFAULT_DEFER
+        defer_reduce = DEFAULT_DEFER and rows == 1  # the runner's choice (megakernel/runner.py build_program)
     g = mtp_graph(cfg, rows, defer_reduce) if kind == "mtp" else verify_graph(cfg, rows, layer_limit, defer_reduce)
     if fuse_reduce is None:
         from megakernel.runner import DEFAULT_FUSE

@@ -49,6 +49,7 @@ def test_inspect_json_without_verify_is_the_program_dump():
     assert r.exit_code == 0, r.output
     assert r.output == schedule(verify_graph(preset("tiny"), 1, None, DEFAULT_DEFER), 7, DEFAULT_FUSE).to_json() + "\n"
     r = run(["inspect", "--preset", "tiny", "--sms", "7", "--format", "json", "--no-defer-reduce"])
+    assert r.exit_code == 0, r.output
     assert r.output == schedule(verify_graph(preset("tiny"), 1, None), 7, DEFAULT_FUSE).to_json() + "\n"
 
 

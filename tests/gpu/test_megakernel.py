@@ -97,11 +97,13 @@ def test_m1_greedy_64_steps_bit_identical(gpu, weights, gdn_split, fuse_reduce, 
     assert mk.arrivals_pending() == 0, "a fused-reduce tile arrival counter was left nonzero"
 
 
-@pytest.mark.parametrize("m", [2, 3, 4, 5, 6, 7, 8])
-def test_m_rows_teacher_forced_bit_identical(gpu, weights, m):
-    """M rows per step (verify / short prefill form) with host-written tokens, 64 consecutive steps."""
+@pytest.mark.parametrize("m,defer", [(2, None), (3, None), (4, None), (5, None), (6, None), (7, None), (8, None),
+                                     (3, True)], ids=["2", "3", "4", "5", "6", "7", "8", "3-defer"])
+def test_m_rows_teacher_forced_bit_identical(gpu, weights, m, defer):
+    """M rows per step (verify / short prefill form) with host-written tokens, 64 consecutive steps. The runner
+    defers the residual reduces only for 1-row steps; 3-defer runs the deferred program at M = 3 too."""
     rng = np.random.default_rng(100 + m)
-    a, b, mk = _pair(weights, m)
+    a, b, mk = _pair(weights, m, defer_reduce=defer)
     a.capture()
     for k in range(STEPS):
         t = _tokens(rng, m)
