@@ -37,6 +37,7 @@ struct MkSmemTail {
   } u;
   double red[MK_WARPS];                      // RMSNorm block reduction
   int words[QMK_ISA_WORDS];                  // the current instruction
+  int xn_tag[4];                             // what xn holds: RMSNorm of (step, norm weight, input buffer, M)
   int flag;                                  // persistent loop: broadcast of "run the next step"
 };
 #define MK_XN_BYTES (QMK_MAX_ROWS * QMK_HIDDEN * 2)
@@ -312,14 +313,48 @@ __device__ void mk_embed(const MkParams& P, const int* w) {
 // ARGMAX: per row the maximum lm_head key (lm_head.cuh: logit desc, id asc) over the non-padding logits of buf0
 // [M, V] (ids < QMK_VALID_VOCAB, as lm_head.cuh) → buf1 [M];
 // then the control-block finish (finish.cuh) and, in persistent mode, the token to mapped host memory.
+#ifndef QMK_MK_ARGMAX_VEC
+#define QMK_MK_ARGMAX_VEC 1  // 1: 16-byte logit loads, MK_ARGMAX_BATCH in flight per thread; 0: one u16 per load
+#endif
+#define MK_ARGMAX_BATCH 4
 __device__ void mk_argmax(const MkParams& P, const int* w, MkSmemTail& sm) {
   const int M = w[QMK_F_M], lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const qmk_u16* logits = mk_buf<const qmk_u16>(P, w[QMK_F_BUF0]);
   int* ids = mk_buf<int>(P, w[QMK_F_BUF1]);
   for (int m = 0; m < M; ++m) {
+    // max of the keys (logit desc, id asc): one key per id, so the order of the scan never changes the result
     qmk_u64 k = 0;
+    const qmk_u16* row = logits + (size_t)m * QMK_VOCAB;
+#if QMK_MK_ARGMAX_VEC
+    if (QMK_VOCAB % 8 == 0 && (reinterpret_cast<size_t>(row) & 15) == 0) {
+      // one thread ran the scan alone, one 2-byte L2 round trip after another: 108 µs per step on the 27B
+      // (timing build, session 8); here each thread keeps MK_ARGMAX_BATCH 16-byte loads in flight
+      const uint4* r16 = reinterpret_cast<const uint4*>(row);
+      const int n16 = (QMK_VALID_VOCAB + 7) / 8;  // chunks holding a valid id; ids ≥ QMK_VALID_VOCAB are skipped
+      for (int base = threadIdx.x; base < n16; base += MK_ARGMAX_BATCH * MK_THREADS) {
+        uint4 v[MK_ARGMAX_BATCH];
+#pragma unroll
+        for (int b = 0; b < MK_ARGMAX_BATCH; ++b) {
+          const int c = base + b * MK_THREADS;
+          v[b] = c < n16 ? __ldcg(r16 + c) : make_uint4(0u, 0u, 0u, 0u);  // L2: other SMs wrote them
+        }
+#pragma unroll
+        for (int b = 0; b < MK_ARGMAX_BATCH; ++b) {
+          const int c = base + b * MK_THREADS;
+          if (c >= n16) continue;
+          const qmk_u32 u[4] = {v[b].x, v[b].y, v[b].z, v[b].w};
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const int id = 8 * c + e;
+            const qmk_u64 key = id < QMK_VALID_VOCAB ? qmk_logit_key((qmk_u16)(u[e >> 1] >> (16 * (e & 1))), id) : 0ull;
+            k = key > k ? key : k;
+          }
+        }
+      }
+    } else
+#endif
     for (int i = threadIdx.x; i < QMK_VALID_VOCAB; i += MK_THREADS) {  // padding ids are never chosen
-      const qmk_u64 c = qmk_logit_key(logits[(size_t)m * QMK_VOCAB + i], i);
+      const qmk_u64 c = qmk_logit_key(row[i], i);
       k = c > k ? c : k;
     }
     for (int o = 16; o > 0; o >>= 1) {
@@ -348,18 +383,27 @@ __device__ void mk_argmax(const MkParams& P, const int* w, MkSmemTail& sm) {
 
 // GDN_STEP: key heads [r0, r1) of layer `layer` (value heads part `split` of `nsplit`); hn = RMSNorm(buf2) in
 // shared memory, then gdn.cuh per value head.
-__device__ void mk_gdn(const MkParams& P, const int* w, qmk_u16* hn, MkSmemTail& sm) {
+#ifndef QMK_MK_GDN_MR
+#define QMK_MK_GDN_MR 0  // rows the GDN step's registers are sized for; 0: 1 in the M = 1 build, else QMK_MAX_ROWS
+#endif
+#define MK_GDN_MR (QMK_MK_GDN_MR > 0 ? QMK_MK_GDN_MR : (QMK_MK_M1 ? 1 : QMK_MAX_ROWS))
+// normed: hn already holds RMSNorm(buf2; w1) of this step (mk_xn_holds), computed by this SM's in-projection
+// prologue with the same function on the same values, so the same bits; the norm is skipped.
+__device__ void mk_gdn(const MkParams& P, const int* w, qmk_u16* hn, MkSmemTail& sm, bool normed) {
   const int M = w[QMK_F_M], r0 = w[QMK_F_ROW_START], r1 = w[QMK_F_ROW_END];
   const MkLayer L = reinterpret_cast<const MkLayer*>(P.layers)[w[QMK_F_LAYER]];
   const MkWeight nw = reinterpret_cast<const MkWeight*>(P.weights)[w[QMK_F_W1]];
-  mk_rmsnorm(mk_buf<const mx_u16>(P, w[QMK_F_BUF2]), (const mx_u16*)nw.ptr, hn, M, QMK_HIDDEN, sm.red);
-  __syncthreads();
+  if (QMK_MK_M1 && M != 1 && threadIdx.x == 0) mk_fail(P, MK_ERR_M1, M);  // the M = 1 build holds one row
+  if (!normed) {
+    mk_rmsnorm(mk_buf<const mx_u16>(P, w[QMK_F_BUF2]), (const mx_u16*)nw.ptr, hn, M, QMK_HIDDEN, sm.red);
+    __syncthreads();
+  }
   const int pos = mk_pos(P);
   // value heads of key heads [r0, r1); split / nsplit (runner.split_gdn) hand a part of them to this instruction
   const int nv = (r1 - r0) * QMK_GDN_HEAD_GROUP, sp = w[QMK_F_SPLIT], ns = w[QMK_F_NSPLIT];
   const int j0 = r0 * QMK_GDN_HEAD_GROUP + sp * nv / ns, j1 = r0 * QMK_GDN_HEAD_GROUP + (sp + 1) * nv / ns;
   for (int j = j0; j < j1; ++j) {
-    mx_gdn_step_head(mk_buf<const mx_u16>(P, w[QMK_F_BUF0]), mk_buf<const mx_u16>(P, w[QMK_F_BUF1]), hn,
+    mx_gdn_step_head<MK_GDN_MR>(mk_buf<const mx_u16>(P, w[QMK_F_BUF0]), mk_buf<const mx_u16>(P, w[QMK_F_BUF1]), hn,
                      (const mx_u16*)L.t[0], (const mx_u16*)L.t[1], (const mx_u16*)L.t[2], (const mx_u16*)L.t[3],
                      (const mx_u16*)L.t[4], (const mx_u16*)L.t[5], mk_buf<mx_u16>(P, w[QMK_F_BUF4]),
                      mk_buf<float>(P, w[QMK_F_BUF5]), mk_buf<mx_u16>(P, w[QMK_F_BUF3]), pos, M, j, sm.u.gdn);
@@ -481,6 +525,25 @@ __device__ bool mk_wait_go(const MkParams& P, uint32_t n, MkSmemTail& sm) {
   return sm.flag != 0;
 }
 
+#ifndef QMK_MK_XN_REUSE
+#define QMK_MK_XN_REUSE 1  // 1: a GDN step reuses the normed hidden row its SM's in-projection left in xn
+#endif
+// The xn tag: after an instruction that leaves RMSNorm(x; w) of M rows in xn (a GEMV's rmsnorm / reduce_rmsnorm
+// prologue, a GDN step's own norm), thread 0 records (step, w, x, M); the next instruction's first barrier
+// publishes it. Norm weights and SSA buffers are distinct per layer, so the tag names the values.
+__device__ __forceinline__ void mk_xn_tag(MkSmemTail& sm, const int* w, uint32_t step) {
+  const int op = w[QMK_F_OPCODE], pro = w[QMK_F_SUB] & 15;
+  int x = -1;
+  if (op == QMK_OP_GEMV && (pro == QMK_PRO_RMSNORM || pro == QMK_PRO_REDUCE_RMSNORM)) x = w[QMK_F_BUF0];
+  else if (op == QMK_OP_GDN_STEP) x = w[QMK_F_BUF2];
+  else return;  // no other instruction writes xn
+  sm.xn_tag[0] = (int)step; sm.xn_tag[1] = w[QMK_F_W1]; sm.xn_tag[2] = x; sm.xn_tag[3] = w[QMK_F_M];
+}
+__device__ __forceinline__ bool mk_xn_holds(const MkSmemTail& sm, const int* w, uint32_t step) {
+  return QMK_MK_XN_REUSE && sm.xn_tag[0] == (int)step && sm.xn_tag[1] == w[QMK_F_W1] &&
+         sm.xn_tag[2] == w[QMK_F_BUF2] && sm.xn_tag[3] == w[QMK_F_M];
+}
+
 // grid = num_sms (cooperative, 1 block per SM), block MK_THREADS, dynamic shared memory MK_SMEM_BYTES.
 extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_main(const MkParams* __restrict__ params) {
   extern __shared__ __align__(16) unsigned char mk_smem[];
@@ -491,6 +554,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_main(const MkPara
   const MkParams& P = *params;
   const int sm_id = blockIdx.x, len = reinterpret_cast<const int*>(P.lens)[sm_id];
   const int* prog = reinterpret_cast<const int*>(P.prog) + (size_t)sm_id * P.max_len * QMK_ISA_WORDS;
+  if (threadIdx.x == 0) sm.xn_tag[0] = sm.xn_tag[1] = sm.xn_tag[2] = sm.xn_tag[3] = -1;  // xn holds nothing yet
 #ifdef QMK_MK_TIMING
   uint64_t* timing = reinterpret_cast<uint64_t*>(P.timing);
 #endif
@@ -519,7 +583,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_main(const MkPara
         case QMK_OP_EMBED: mk_embed(P, w); break;
         case QMK_OP_GEMV: mk_gemv(P, w, xn, sm, ring, issued); break;
         case QMK_OP_GEMV_REDUCE: mk_gemv_reduce(P, w); break;
-        case QMK_OP_GDN_STEP: mk_gdn(P, w, xn, sm); break;
+        case QMK_OP_GDN_STEP: mk_gdn(P, w, xn, sm, mk_xn_holds(sm, w, step)); break;
         case QMK_OP_ATTN_PREP: mk_attn_prep(P, w); break;
         case QMK_OP_ATTN_SCORES: mk_attn_scores(P, w); break;
         case QMK_OP_ATTN_VALUES: mk_attn_values(P, w, sm); break;
@@ -527,6 +591,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_main(const MkPara
         case QMK_OP_ARGMAX: mk_argmax(P, w, sm); break;
         default: if (threadIdx.x == 0) mk_fail(P, MK_ERR_OPCODE, w[QMK_F_OPCODE]);
       }
+      if (threadIdx.x == 0) mk_xn_tag(sm, w, step);  // read by the next instruction after its first barrier
       const int bump = w[QMK_F_BUMP], by = w[QMK_F_BUMP_BY];
       if (bump >= 0 && by > 0) qmk::block_bump(reinterpret_cast<uint32_t*>(P.counters) + bump, (uint32_t)by);
       else __syncthreads();

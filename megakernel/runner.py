@@ -43,7 +43,7 @@ PREFETCH = 1         # QMK_MK_PREFETCH: a GEMV issues its first RING - 1 ring un
 ERRORS = {1: "unknown opcode", 2: "unsupported GEMV prologue (MTP concat, or an unknown one)",
           3: "bad row range",
           4: "fused split-K reduce in the program, but the module was built without it",
-          5: "a GEMV of M != 1 rows, but the module was built for M = 1"}
+          5: "a GEMV or GDN step of M != 1 rows, but the module was built for M = 1"}
 
 _P = [(n, "<u8") for n in ("prog", "lens", "counters", "bufs", "weights", "layers", "embed", "ctrl", "page_table",
                            "inv_freq", "host", "mirror", "timing")]

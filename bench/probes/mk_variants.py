@@ -39,6 +39,11 @@ def variants() -> list[tuple[str, bool, dict]]:
         ("fused", True, {}),
         # session 8: residual split-K reduces in the consumers' prologues (the default) or as GEMV_REDUCE stages
         ("no_defer", False, {"_defer_reduce": 0}),
+        # session 9: the GDN step's conv inputs sized for M rows (the M = 1 build's default: 1 row), the GDN step's
+        # norm taken from xn when its SM's in-projection left it there, ARGMAX with 16-byte loads in flight
+        ("gdn_mr8", False, {"QMK_MK_GDN_MR": 8}),
+        ("no_xn_reuse", False, {"QMK_MK_XN_REUSE": 0}),
+        ("argmax_scalar", False, {"QMK_MK_ARGMAX_VEC": 0}),
         # session 8: the counter protocol (sync.cuh, mk_wait_all); the default is fence 0, acquire polls, no sleep
         ("sync_s7", False, {"QMK_MK_BUMP_FENCE": 1, "QMK_MK_POLL_ACQUIRE": 0, "QMK_MK_SPIN_NS": 32}),
         ("bump_fence", False, {"QMK_MK_BUMP_FENCE": 1}),

@@ -127,7 +127,7 @@ __device__ __forceinline__ float mx_u2_bf(const uint2& v, int e) {  // element e
 // ring, state as above; out [M, VALUE_DIM] bf16; pos = position of row 0; pre = mx_gdn_prefetch of head j.
 // CH: state columns whose warp sums run interleaved (the discrete kernel: all MX_GDN_CPW; the megakernel, short of
 // registers: 1); the bits do not depend on it. Call from all threads of a MX_GDN_THREADS block.
-template <int CH>
+template <int CH, int MR = QMK_MAX_ROWS>
 __device__ __forceinline__ void mx_gdn_step_head_pre(const mx_u16* __restrict__ qkv, const mx_u16* __restrict__ z,
                                      const mx_u16* __restrict__ hn, mx_u16* __restrict__ ring,
                                      float* __restrict__ state, mx_u16* __restrict__ out, int pos, int M, int j,
@@ -146,7 +146,7 @@ __device__ __forceinline__ void mx_gdn_step_head_pre(const mx_u16* __restrict__ 
     const int ch = c < QMK_GDN_DK ? hk * QMK_GDN_DK + c
                  : c < 2 * QMK_GDN_DK ? QMK_GDN_KEY_DIM + hk * QMK_GDN_DK + (c - QMK_GDN_DK)
                  : 2 * QMK_GDN_KEY_DIM + j * QMK_GDN_DV + (c - 2 * QMK_GDN_DK);
-    mx_u16 xin[QMK_MAX_ROWS + 3];  // conv inputs of positions pos-3 .. pos+M-1 (0 before position 0)
+    mx_u16 xin[MR + 3];  // conv inputs of positions pos-3 .. pos+M-1 (0 before position 0); M <= MR
     if (c < MX_GDN_CH) {
 #pragma unroll
         for (int t = 0; t < 3; ++t) {
@@ -154,7 +154,7 @@ __device__ __forceinline__ void mx_gdn_step_head_pre(const mx_u16* __restrict__ 
             xin[t] = p >= 0 ? ring[(size_t)(p % QMK_CONV_RING) * QMK_GDN_CONV_DIM + ch] : (mx_u16)0;
         }
 #pragma unroll
-        for (int i = 0; i < QMK_MAX_ROWS; ++i) xin[3 + i] = i < M ? qkv[(size_t)i * QMK_GDN_CONV_DIM + ch] : (mx_u16)0;
+        for (int i = 0; i < MR; ++i) xin[3 + i] = i < M ? qkv[(size_t)i * QMK_GDN_CONV_DIM + ch] : (mx_u16)0;
     }
     const int zrow = MX_GDN_WARPS - 1 - warp;  // the gate z of row zrow (< M): the last warps, which have the fewest a/b blocks
     uint2 zv = make_uint2(0u, 0u);
@@ -169,7 +169,7 @@ __device__ __forceinline__ void mx_gdn_step_head_pre(const mx_u16* __restrict__ 
 #pragma unroll
         for (int tap = 0; tap < 4; ++tap) wt[tap] = (double)mx_u2_bf(pre.cw, tap);
 #pragma unroll
-        for (int i = 0; i < QMK_MAX_ROWS; ++i) {
+        for (int i = 0; i < MR; ++i) {
             if (i >= M) break;
             double acc = 0.0;  // products of bf16 are exact in float64: the 4-term sum is order-free
 #pragma unroll
@@ -312,7 +312,9 @@ __device__ __forceinline__ void mx_gdn_step_head_pre(const mx_u16* __restrict__ 
 }
 
 // The whole step of value head j (prefetch, then the step, one column's sums at a time): the megakernel's form.
-// Weights as mx_gdn_prefetch, the rest as above.
+// Weights as mx_gdn_prefetch, the rest as above; MR: the most rows the caller runs (its M = 1 build: 1, so the conv
+// inputs fit in registers).
+template <int MR = QMK_MAX_ROWS>
 __device__ __forceinline__ void mx_gdn_step_head(const mx_u16* __restrict__ qkv, const mx_u16* __restrict__ z,
                                                  const mx_u16* __restrict__ hn, const mx_u16* __restrict__ w_a,
                                                  const mx_u16* __restrict__ w_b, const mx_u16* __restrict__ a_log,
@@ -322,5 +324,5 @@ __device__ __forceinline__ void mx_gdn_step_head(const mx_u16* __restrict__ qkv,
                                                  int j, MxGdnSmem& sm) {
     MxGdnPre pre;
     mx_gdn_prefetch(w_a, w_b, a_log, dt_bias, conv_w, norm_w, j, pre);
-    mx_gdn_step_head_pre<1>(qkv, z, hn, ring, state, out, pos, M, j, pre, sm);
+    mx_gdn_step_head_pre<1, MR>(qkv, z, hn, ring, state, out, pos, M, j, pre, sm);
 }

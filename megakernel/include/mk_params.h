@@ -55,4 +55,4 @@ static_assert(sizeof(MkWeight) == QMK_MKW_SIZE && sizeof(MkLayer) == QMK_MKL_SIZ
 #define MK_ERR_PROLOGUE 2
 #define MK_ERR_ROWS 3
 #define MK_ERR_FUSED 4
-#define MK_ERR_M1 5  // a GEMV of M != 1 rows in a module built for M = 1 (QMK_MK_M1)
+#define MK_ERR_M1 5  // a GEMV or GDN step of M != 1 rows in a module built for M = 1 (QMK_MK_M1)
