@@ -22,7 +22,7 @@ history (:func:`history_reads`, checked across steps).
 """
 from __future__ import annotations
 
-from assembler.isa import Instruction, Opcode, fused_reduce, sub_parts, sub_src_split
+from assembler.isa import Instruction, Opcode, fused_reduce, local_reduce, sub_parts, sub_src_split
 from assembler.numerics import attn_partitions
 
 
@@ -65,11 +65,11 @@ def regions(prog, ins: Instruction) -> tuple[list, list, list]:
         if ins.opcode == Opcode.GEMV:
             if ins.buf5 >= 0:  # the normalised input, written once per step by the op's first slice
                 writes.append((ins.buf5, 0, W(ins.buf5)))
-            if ins.nsplit > 1:
+            if ins.nsplit > 1 and not local_reduce(ins):  # local: the partials never leave shared memory
                 writes += [(ins.buf3, ins.split * R + a, ins.split * R + b) for a, b in prow]
         else:
             reads += [(ins.buf3, s * R + a, s * R + b) for s in range(ins.nsplit) for a, b in prow]
-        if ins.opcode == Opcode.GEMV_REDUCE or ins.nsplit == 1 or fused_reduce(ins):
+        if ins.opcode == Opcode.GEMV_REDUCE or ins.nsplit == 1 or fused_reduce(ins) or local_reduce(ins):
             writes.append((ins.buf1, r0, r1))  # fused: a joint write of the segment's S split instructions
             if epi == "residual":
                 reads.append((ins.buf2, r0, r1))

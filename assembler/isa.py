@@ -26,6 +26,10 @@ Opcodes (what each fuses; its waits come from the scheduler, its bump is its own
                resets the counter. The arrival counters are uint32 [rows(w0) / 16] right after the partials
                [S, M, rows(w0)] fp32 in buf3's allocation (runner-owned, zero once at allocation). No
                GEMV_REDUCE exists for such a segment; its consumers wait on the GEMV instructions' counter.
+               sub & LOCAL_REDUCE (nsplit > 1; ``split`` is 0): the instruction computes ALL nsplit splits of its
+               rows itself (one warp per (tile, split) task, the same per-split K ranges), keeps the fp32
+               partials in shared memory and reduces them in fixed split order + epilogue into buf1 — the
+               numbers of GEMV partials + GEMV_REDUCE, without the partial buffer or a reduce stage (buf3 = −1).
   GEMV_REDUCE  fixed-order reduce of the partials buf3 for rows [row_start, row_end) + epilogue into buf1.
   GDN_STEP     key heads [row_start, row_end) of layer ``layer``: in_proj_a/b (RMSNorm prologue of buf2), conv
                step, l2norm, gates, delta rule on the recurrent state, gated norm → buf3 (= o).
@@ -42,7 +46,12 @@ Opcodes (what each fuses; its waits come from the scheduler, its bump is its own
                buf2 = stats sum, buf5 = V cache → buf3 = partials [M, NQ, P, HD].
   ATTN_REDUCE  query heads [row_start, row_end): partials summed in partition order, bf16, × bf16(sigmoid(gate)).
                buf0 = q|gate, buf1 = partials → buf3 (= o).
-  ARGMAX       greedy token per row of the logits buf0 → buf1 (lowest id on ties).
+  ARGMAX       greedy token per row of the logits buf0 → buf1 (lowest id on ties). sub & ARGMAX_KEYS (set on
+               the ARGMAX and on the GEMV instructions of the op whose output it reads): in a 1-row step each
+               such GEMV also keeps the best key (logit desc, id asc; padding ids excluded) of the logits it
+               wrote in a per-SM slot tagged with the step, and the ARGMAX takes the best of this step's slots
+               instead of scanning the logits — the same id (one key per id), a kernel-side shortcut that the
+               regions, the verifier and the CPU VM need not model (the ARGMAX still reads the whole logits).
 """
 from __future__ import annotations
 
@@ -85,22 +94,30 @@ class Sub(enum.IntFlag):
     EPI_RESIDUAL = 1 << 4
     EPI_SWIGLU = 2 << 4
     FUSE_REDUCE = 1 << 8  # GEMV with nsplit > 1: the last arriving warp of a tile reduces it (see GEMV above)
+    LOCAL_REDUCE = 1 << 9  # GEMV with nsplit > 1: all splits of the rows on this instruction, reduced in shared memory
+    ARGMAX_KEYS = 1 << 10  # the head's GEMV / the ARGMAX: per-SM best logit keys (1-row steps; ARGMAX below)
     # bits 12-19: the producer's split count S of a reduce_rmsnorm prologue (SRC_SPLIT_SHIFT)
 
 
 FUSE_REDUCE = int(Sub.FUSE_REDUCE)
+LOCAL_REDUCE = int(Sub.LOCAL_REDUCE)
+ARGMAX_KEYS = int(Sub.ARGMAX_KEYS)
 PROLOGUES = {"none": 0, "rmsnorm": 1, "mtp_concat": 2, "reduce_rmsnorm": 3}
 EPILOGUES = {"store": 0, "residual": 1, "swiglu": 2}
 SRC_SPLIT_SHIFT = 12
 
 
-def sub_word(prologue: str, epilogue: str, fuse_reduce: bool = False, src_split: int = 0) -> int:
-    """Pack prologue/epilogue names, the FUSE_REDUCE flag and (reduce_rmsnorm) the producer's split count into the
-    ``sub`` word. Raises KeyError naming an unknown form, ValueError for a split count outside 0..255."""
+def sub_word(prologue: str, epilogue: str, fuse_reduce: bool = False, src_split: int = 0,
+             local_reduce: bool = False) -> int:
+    """Pack prologue/epilogue names, the FUSE_REDUCE / LOCAL_REDUCE flags and (reduce_rmsnorm) the producer's
+    split count into the ``sub`` word. Raises KeyError naming an unknown form, ValueError for a split count outside
+    0..255 or both reduce flags at once."""
     if not 0 <= src_split <= 255:
         raise ValueError(f"sub_word: src_split={src_split}; expected 0..255")
+    if fuse_reduce and local_reduce:
+        raise ValueError("sub_word: fuse_reduce and local_reduce exclude each other")
     return (PROLOGUES[prologue] | (EPILOGUES[epilogue] << 4) | (FUSE_REDUCE if fuse_reduce else 0)
-            | (src_split << SRC_SPLIT_SHIFT))
+            | (LOCAL_REDUCE if local_reduce else 0) | (src_split << SRC_SPLIT_SHIFT))
 
 
 def sub_src_split(sub: int) -> int:
@@ -113,8 +130,13 @@ def fused_reduce(ins: "Instruction") -> bool:
     return ins.opcode == Opcode.GEMV and ins.nsplit > 1 and bool(ins.sub & FUSE_REDUCE)
 
 
+def local_reduce(ins: "Instruction") -> bool:
+    """True for a split-K GEMV that computes every split of its rows and reduces them itself (shared memory)."""
+    return ins.opcode == Opcode.GEMV and ins.nsplit > 1 and bool(ins.sub & LOCAL_REDUCE)
+
+
 def sub_parts(sub: int) -> tuple[str, str]:
-    """Inverse of :func:`sub_word` (flag bits above the epilogue, e.g. FUSE_REDUCE, are ignored)."""
+    """Inverse of :func:`sub_word` (flag bits above the epilogue, e.g. FUSE_REDUCE, ARGMAX_KEYS, are ignored)."""
     pro = {v: k for k, v in PROLOGUES.items()}[sub & 15]
     epi = {v: k for k, v in EPILOGUES.items()}[(sub >> 4) & 15]
     return pro, epi
@@ -218,7 +240,9 @@ def c_header() -> str:
     L += [f"#define QMK_F_{n.upper()} {i}" for i, n in enumerate(FIELDS)] + [""]
     L += [f"#define QMK_PRO_{k.upper()} {v}" for k, v in PROLOGUES.items()]
     L += [f"#define QMK_EPI_{k.upper()} {v}" for k, v in EPILOGUES.items()]
-    L += [f"#define QMK_SUB_FUSE_REDUCE {FUSE_REDUCE}", f"#define QMK_SUB_SRC_SPLIT_SHIFT {SRC_SPLIT_SHIFT}"] + [""]
+    L += [f"#define QMK_SUB_FUSE_REDUCE {FUSE_REDUCE}", f"#define QMK_SUB_LOCAL_REDUCE {LOCAL_REDUCE}",
+          f"#define QMK_SUB_ARGMAX_KEYS {ARGMAX_KEYS}",
+          f"#define QMK_SUB_SRC_SPLIT_SHIFT {SRC_SPLIT_SHIFT}"] + [""]
     L += [f"#define QMK_BUF_{k.upper()} {v}" for k, v in BUFFER_KINDS.items()]
     L += [f"#define QMK_DT_{k.upper()} {v}" for k, v in BUFFER_DTYPES.items()] + [""]
     L += _struct("QmkBuffer", BUFFER_DTYPE) + [""] + _struct("QmkCounter", COUNTER_DTYPE)

@@ -25,7 +25,7 @@ import numpy as np
 from assembler.graph import Buffer, Graph
 from assembler.numerics import attn_partitions
 from assembler.isa import (ATTN_OPCODES, BUFFER_DTYPE, BUFFER_DTYPES, BUFFER_KINDS, COUNTER_DTYPE, FIELDS, WORDS,
-                           Instruction, Opcode, fused_reduce, sub_parts)
+                           Instruction, Opcode, fused_reduce, local_reduce, sub_parts)
 
 STAGE_OPCODES = {"main": {Opcode.EMBED, Opcode.GEMV, Opcode.GDN_STEP, Opcode.ATTN_PREP, Opcode.ARGMAX},
                  "reduce": {Opcode.GEMV_REDUCE, Opcode.ATTN_REDUCE}, "scores": {Opcode.ATTN_SCORES},
@@ -104,7 +104,8 @@ class Program:
 
         ``stage`` is "main" (GEMV partials / direct outputs, GDN heads, attention prep per KV head), "reduce"
         (GEMV reduce, attention reduce per query-head run), "scores" or "values" (attention split-KV units
-        h·P + p). Rows are local to the segment (weight w0) for GEMV ops and head / unit ranges otherwise. The
+        h·P + p). Rows are local to the segment (weight w0) for GEMV ops and head / unit ranges otherwise (a
+        LOCAL_REDUCE GEMV, which computes all splits of its rows, gives one slice per split). The
         discrete kernels launch one block per slice of this same list. Raises KeyError for an unknown op or stage."""
         oi = self.graph.ops.index(self.graph.op(op_name))
         want = STAGE_OPCODES[stage]
@@ -114,7 +115,9 @@ class Program:
                 if ins.op != oi or ins.opcode not in want:
                     continue
                 seg = self.weight_segment[ins.w0][1] if ins.w0 >= 0 and ins.w0 in self.weight_segment else 0
-                out.append((s, ins.row_start, ins.row_end, ins.split, seg))
+                # a local-reduce GEMV computes every split of its rows: one slice per split
+                for sp in (range(ins.nsplit) if local_reduce(ins) else (ins.split,)):
+                    out.append((s, ins.row_start, ins.row_end, sp, seg))
         return out
 
     # ------------------------------------------------------------------ stats
@@ -169,7 +172,8 @@ class Program:
             seg = self.graph.ops[ins.op].segments[self.weight_segment[ins.w0][1]]
             tiles = -(-(ins.row_end - ins.row_start) // 16)
             kb = (seg.k // 128) // max(1, seg.split) * (2 if seg.epilogue == "swiglu" else 1)
-            serial = -(-tiles // MK_WARPS) * kb * MK_KBLOCK_S
+            tasks = tiles * ins.nsplit if local_reduce(ins) else tiles  # local: a warp per (tile, split)
+            serial = -(-tasks // MK_WARPS) * kb * MK_KBLOCK_S
             return max(nbytes / (per_sm_bw * MK_GEMV_EFF), serial) + MK_FIXED_S
         base = MK_OP_S.get(ins.opcode, 0.0)
         if ins.opcode == Opcode.GDN_STEP:
@@ -193,10 +197,11 @@ class Program:
         name = Opcode(ins.opcode).name
         if ins.opcode in (Opcode.GEMV, Opcode.GEMV_REDUCE):
             pro, epi = sub_parts(ins.sub)
-            partial = ins.opcode == Opcode.GEMV and ins.nsplit > 1
+            partial = ins.opcode == Opcode.GEMV and ins.nsplit > 1 and not local_reduce(ins)
             out = b(ins.buf3 if partial else ins.buf1) + (f"+reduce>{b(ins.buf1)}" if fused_reduce(ins) else "")
+            sp = f"splits 0-{ins.nsplit - 1}/{ins.nsplit} local" if local_reduce(ins) else f"split {ins.split}/{ins.nsplit}"
             body = (f"{op.name} seg{self.weight_segment[ins.w0][1]} rows[{ins.row_start}:{ins.row_end}] "
-                    f"split {ins.split}/{ins.nsplit} {pro}/{epi} in={b(ins.buf0)} out={out}")
+                    f"{sp} {pro}/{epi} in={b(ins.buf0)} out={out}")
         elif ins.opcode in (Opcode.ATTN_SCORES, Opcode.ATTN_VALUES):
             body = f"{op.name} units[{ins.row_start}:{ins.row_end}]"
         elif ins.opcode in (Opcode.GDN_STEP,) + ATTN_OPCODES:

@@ -23,7 +23,7 @@ from functools import lru_cache
 import numpy as np
 
 from assembler.graph import ab_split, layer_prefix
-from assembler.isa import Instruction, Opcode, fused_reduce, sub_parts, sub_src_split
+from assembler.isa import Instruction, Opcode, fused_reduce, local_reduce, sub_parts, sub_src_split
 from assembler.numerics import ROW_TILE, attn_partition_range, attn_partitions
 from assembler.program import Program
 from assembler.ref import ops
@@ -212,6 +212,12 @@ class VM:
         if ins.buf5 >= 0:
             self._b(ins.buf5)[:] = x
         F, r0, r1 = w.shape[0] // 2, ins.row_start, ins.row_end
+        if local_reduce(ins):  # every split of the rows here, reduced at once (as GEMV partials + GEMV_REDUCE)
+            if epi == "swiglu":
+                raise VMError(f"{self.g.ops[ins.op].name}: a local-reduce GEMV has a store/residual epilogue")
+            P = np.stack([ops.gemv_partial(w, sc, x, slice(r0, r1), ins.nsplit, s) for s in range(ins.nsplit)])
+            self._epilogue(ins, P, None)
+            return
         p = ops.gemv_partial(w, sc, x, slice(r0, r1), ins.nsplit, ins.split)
         up = ops.gemv_partial(w, sc, x, slice(F + r0, F + r1), ins.nsplit, ins.split) if epi == "swiglu" else None
         if ins.nsplit > 1:

@@ -19,7 +19,10 @@ Split-K reduce: with ``fuse_reduce`` (default) a split-K segment's GEMV instruct
 last arriving warp of a tile's S splits, isa.py FUSE_REDUCE) and bump the op's ``out`` counter: no GEMV_REDUCE
 stage, consumers wait on the GEMV instructions (all of them bumped ⇒ every tile's last arrival, and with it
 the tile's reduce, happened). ``fuse_reduce=False``: the old program, partials bump ``part`` counters and
-GEMV_REDUCE instructions wait on all of them.
+GEMV_REDUCE instructions wait on all of them. ``local_reduce`` (session 9): the in-projections (split-K store
+segments, ``local_candidate``) are cut into whole tiles with all their splits, and every instruction reduces its own
+tiles in shared memory (isa.py LOCAL_REDUCE): no partial buffer, no reduce stage, consumers wait on the GEMV
+instructions; kept only where whole tiles balance about as well as single splits (LOCAL_SLACK).
 
 Order: stages in graph order (GEMV partials, then their reduce), so every wait points at an earlier stage:
 no SM ever waits on work later in its own list, and one complete simulation proves every interleaving
@@ -37,22 +40,25 @@ import numpy as np
 
 from assembler.asm_regions import regions
 from assembler.graph import Graph, Op
-from assembler.isa import MAX_WAITS, Instruction, Opcode, sub_word
+from assembler.isa import ARGMAX_KEYS, MAX_WAITS, Instruction, Opcode, sub_word
 from assembler.numerics import ROW_TILE, attn_partitions
 from assembler.program import Counter, Program
 
 
-def _gemv_units(op: Op, reduce: bool) -> np.ndarray:
-    """float64 [U, 6] units (group, seg, split, row0, row1, bytes) of a GEMV op's main or reduce stage."""
+def _gemv_units(op: Op, reduce: bool, local: bool = False) -> np.ndarray:
+    """float64 [U, 6] units (group, seg, split, row0, row1, bytes) of a GEMV op's main or reduce stage.
+    ``local``: the op's split-K segments reduce on their own instructions (LOCAL_REDUCE): a unit is a tile with
+    all its splits (split 0, the whole row's bytes), and no reduce stage."""
     out = []
     for gi, grp in enumerate(op.groups):
         for seg_i, a, b in grp:
             seg = op.segments[seg_i]
-            if reduce and (seg.split == 1 or seg.deferred):
+            if reduce and (seg.split == 1 or seg.deferred or local):
                 continue
             r = np.arange(a, b, ROW_TILE)
-            nb = ROW_TILE * seg.split * 4 * 2 if reduce else ROW_TILE * seg.row_bytes // seg.split
-            for s in ([0] if reduce else range(seg.split)):
+            nb = (ROW_TILE * seg.split * 4 * 2 if reduce else
+                  ROW_TILE * seg.row_bytes if local else ROW_TILE * seg.row_bytes // seg.split)
+            for s in ([0] if reduce or local else range(seg.split)):
                 u = np.empty((r.size, 6), np.float64)
                 u[:, 0], u[:, 1], u[:, 2], u[:, 3], u[:, 4], u[:, 5] = gi, seg_i, s, r, np.minimum(r + ROW_TILE, b), nb
                 out.append(u)
@@ -106,6 +112,19 @@ def _balanced(load: np.ndarray, units: np.ndarray) -> np.ndarray | None:
     return sms
 
 
+LOCAL_MAX_SPLIT = 16   # LOCAL_REDUCE needs a (tile, split) task per warp of a round: S ≤ the megakernel's 16 warps
+LOCAL_SLACK = 1.02     # a local-reduce cut is kept unless its busiest SM carries more than this × the split cut's
+                       # (whole tiles per SM instead of single splits; 27B in-projections on 132 SMs: 1.00)
+
+
+def local_candidate(op: Op) -> bool:
+    """Whether a GEMV op can reduce its split-K segments on their own instructions (LOCAL_REDUCE): every segment
+    split-K (2..LOCAL_MAX_SPLIT) with a store epilogue, none deferred (the GDN / attention in-projections, the
+    MTP fc)."""
+    return (op.kind == "gemv" and bool(op.segments) and
+            all(1 < s.split <= LOCAL_MAX_SPLIT and s.epilogue == "store" and not s.deferred for s in op.segments))
+
+
 BALANCE_SLACK = 1.15  # the per-op cut is kept unless its busiest SM carries more than this × the water fill's
                       # (with a few SMs more than runs, whole runs land on single SMs: 27B on 13 SMs, 2.8 × the
                       # mean; on 132 SMs every 27B GEMV stage keeps the per-op cut)
@@ -127,8 +146,9 @@ def _water_fill(load: np.ndarray, costs: np.ndarray) -> np.ndarray:
 
 
 class _Builder:
-    def __init__(self, graph: Graph, num_sms: int, fuse_reduce: bool = True, balance: bool = True):
-        self.g, self.n, self.fuse, self.balance = graph, num_sms, fuse_reduce, balance
+    def __init__(self, graph: Graph, num_sms: int, fuse_reduce: bool = True, balance: bool = True,
+                 local_reduce: bool = False):
+        self.g, self.n, self.fuse, self.balance, self.local = graph, num_sms, fuse_reduce, balance, local_reduce
         self.load = np.zeros(num_sms)
         self.lists: list[list[dict]] = [[] for _ in range(num_sms)]
         self.counters: list[Counter] = []
@@ -173,7 +193,8 @@ class _Builder:
         elif op.kind == "argmax":
             self.stage += 1
             self.emit(self.whole(), op.bytes, self.counter(oi, "out", 0), opcode=Opcode.ARGMAX, layer=L,
-                      m=m, row_start=0, row_end=1, buf0=bid[op.reads[0]], buf1=bid[op.writes[0]], op=oi)
+                      m=m, row_start=0, row_end=1, buf0=bid[op.reads[0]], buf1=bid[op.writes[0]], op=oi,
+                      sub=ARGMAX_KEYS if self._keys_source(op.reads[0]) is not None else 0)
         elif op.kind == "gdn_step":
             self.stage += 1
             per = op.bytes // len(op.groups)
@@ -190,6 +211,16 @@ class _Builder:
             self.add_gemv(oi, op)
         else:
             raise ValueError(f"scheduler: op {op.name} has unknown kind {op.kind!r}")
+
+    def _keys_source(self, logits: str):
+        """Index of the GEMV op (one store segment, split 1) writing the buffer an argmax reads: its instructions
+        keep per-SM best keys for the ARGMAX (isa.py ARGMAX_KEYS); None when there is no such op."""
+        for i, o in enumerate(self.g.ops):
+            if o.kind == "gemv" and logits in o.writes:
+                segs = [s for s in o.segments if s.out == logits]
+                ok = len(segs) == 1 and segs[0].split == 1 and segs[0].epilogue == "store"
+                return i if ok else None
+        return None
 
     def spread(self, n: int) -> list[int]:
         """SMs for the ``n`` instructions of one stage: the least loaded first, distinct while n ≤ num_sms (so no
@@ -243,17 +274,17 @@ class _Builder:
         if op.reduce_in:  # the norm input rebuilt from a deferred reduce (graph.defer_reduces): isa.py GEMV
             part, src_split, resid = op.reduce_in
             pro, src2, src_resid = "reduce_rmsnorm", bid[part], bid[resid]
-        for reduce in ((False,) if self.fuse else (False, True)):
-            units = _gemv_units(op, reduce)
+        local = False
+        if self.local and local_candidate(op):
+            lu, su = _gemv_units(op, False, True), _gemv_units(op, False)
+            lsms, ssms = self._assign(lu), self._assign(su)
+            local = _max_share(lsms, lu, self.n) <= LOCAL_SLACK * _max_share(ssms, su, self.n)
+        for reduce in ((False,) if self.fuse or local else (False, True)):
+            units = _gemv_units(op, reduce, local)
             if not len(units):
                 continue
             self.stage += 1
-            fill = _water_fill(self.load.copy(), units[:, 5])
-            sms = _balanced(self.load, units) if self.balance else None
-            if sms is not None and _max_share(sms, units, self.n) > BALANCE_SLACK * _max_share(fill, units, self.n):
-                sms = None  # too few SMs for the op's runs: whole runs would land on single SMs
-            if sms is None:
-                sms = fill
+            sms = self._assign(units)
             runs = _runs(units, sms)
             K = self.g.buffers[op.norm[0]].shape[-1] if op.reduce_in else 0
             K8 = K // 8
@@ -261,33 +292,50 @@ class _Builder:
                 gi, si, s = (int(v) for v in units[a, :3])
                 sm, r0, r1, nb = int(sms[a]), int(units[a, 3]), int(units[b - 1, 4]), int(round(units[a:b, 5].sum()))
                 seg = op.segments[si]
-                fused = self.fuse and seg.split > 1 and not seg.deferred
-                final = reduce or (seg.split == 1 and not seg.deferred) or fused
+                fused = self.fuse and seg.split > 1 and not seg.deferred and not local
+                final = reduce or (seg.split == 1 and not seg.deferred) or fused or local
                 main = not reduce
                 f = dict(opcode=Opcode.GEMV_REDUCE if reduce else Opcode.GEMV, layer=op.layer,
-                         sub=sub_word(pro if main else "none", seg.epilogue, fused, src_split if main else 0), m=m,
+                         sub=sub_word(pro if main else "none", seg.epilogue, fused, src_split if main else 0,
+                                      local), m=m,
                          row_start=r0, row_end=r1,
                          split=s, nsplit=seg.split, buf0=src if main else -1, buf1=bid[seg.out],
                          buf2=bid[seg.residual] if seg.residual else (src_resid if main else -1),
-                         buf3=bid[seg.partials] if seg.partials else -1, buf4=src2 if main else -1,
+                         buf3=bid[seg.partials] if seg.partials and not local else -1, buf4=src2 if main else -1,
                          w0=self.weight(seg.parts, (oi, si)), w1=w1 if main else -1, op=oi,
                          buf5=bid[op.norm_out] if op.norm_out and main and a == 0 else -1)
+                if main and seg.split == 1 and any(o.kind == "argmax" and seg.out in o.reads for o in self.g.ops) \
+                        and self._keys_source(seg.out) == oi:
+                    f["sub"] |= ARGMAX_KEYS  # the head: per-SM best keys for the ARGMAX
                 if op.reduce_in and main:  # this slice's share of the rebuilt input: multiples of 8 columns,
                     last = ri == len(runs) - 1  # the last share to K whatever K is
                     f.update(aux0=8 * (K8 * ri // len(runs)), aux1=K if last else 8 * (K8 * (ri + 1) // len(runs)))
                 self.emit(sm, nb, self.counter(oi, "out" if final else "part", gi), **f)
 
 
-def schedule(graph: Graph, num_sms: int, fuse_reduce: bool = True, balance: bool = True) -> Program:
+    def _assign(self, units: np.ndarray) -> np.ndarray:
+        """SM of each unit of one GEMV stage: the per-op cut (``_balanced``) unless it would load its busiest SM
+        more than BALANCE_SLACK × the water fill's (few SMs for the op's runs), else the water fill."""
+        fill = _water_fill(self.load.copy(), units[:, 5])
+        sms = _balanced(self.load, units) if self.balance else None
+        if sms is not None and _max_share(sms, units, self.n) > BALANCE_SLACK * _max_share(fill, units, self.n):
+            sms = None  # too few SMs for the op's runs: whole runs would land on single SMs
+        return fill if sms is None else sms
+
+
+def schedule(graph: Graph, num_sms: int, fuse_reduce: bool = True, balance: bool = True,
+             local_reduce: bool = True) -> Program:
     """Assemble ``graph`` for ``num_sms`` SMs (any count ≥ 1); ``fuse_reduce``: split-K reduce folded into the
     GEMV instructions (module docstring; False: separate GEMV_REDUCE instructions); ``balance``: each GEMV stage
     cut so that every SM runs at most one instruction of it, balanced per op (``_balanced``; False: the
     cumulative water fill of sessions 1-6, which then ran on per-key-head in-projection groups the graph no
-    longer has). Raises ValueError for num_sms < 1 or an instruction that would need
-    more than MAX_WAITS waits."""
+    longer has); ``local_reduce``: split-K ops that ``local_candidate`` admits reduce on their own instructions
+    (LOCAL_REDUCE: each instruction computes all splits of whole tiles, no GEMV_REDUCE stage) where that cut
+    loads the busiest SM at most LOCAL_SLACK × the split cut's. Raises ValueError for num_sms < 1 or an
+    instruction that would need more than MAX_WAITS waits."""
     if not isinstance(num_sms, int) or num_sms < 1:
         raise ValueError(f"schedule: num_sms must be an integer ≥ 1, got {num_sms!r}")
-    bld = _Builder(graph, num_sms, fuse_reduce, balance)
+    bld = _Builder(graph, num_sms, fuse_reduce, balance, local_reduce)
     bld.buffer_id = {name: i for i, name in enumerate(graph.buffers)}
     for oi, op in enumerate(graph.ops):
         bld.add_op(oi, op)

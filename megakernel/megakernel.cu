@@ -36,6 +36,7 @@ struct MkSmemTail {
     qmk_u64 keys[MK_WARPS];                  // argmax: per-warp best key
   } u;
   double red[MK_WARPS];                      // RMSNorm block reduction
+  unsigned long long best_key;               // the head's best logit key over its rounds (ARGMAX_KEYS)
   int words[QMK_ISA_WORDS];                  // the current instruction
   int xn_tag[4];                             // what xn holds: RMSNorm of (step, norm weight, input buffer, M)
   int flag;                                  // persistent loop: broadcast of "run the next step"
@@ -156,16 +157,39 @@ __device__ __forceinline__ void mk_tile(float (&acc)[4], const MkWeight& W, cons
 __device__ __forceinline__ bool mk_gemv_prefetch(const MkParams& P, const int* w, qmk_u32 ring) {
 #if QMK_MK_PREFETCH
   const int warp = threadIdx.x >> 5, r0 = w[QMK_F_ROW_START], r1 = w[QMK_F_ROW_END];
-  if (warp >= (r1 - r0) / QMK_ROW_TILE) return false;
+  const int S = w[QMK_F_NSPLIT];
+  int t = warp, sp = w[QMK_F_SPLIT];
+  if (S > 1 && (w[QMK_F_SUB] & QMK_SUB_LOCAL_REDUCE)) {  // mk_gemv_local's first round: task (tile warp / S, split warp % S)
+    if (S > MK_WARPS || warp >= (MK_WARPS / S) * S) return false;
+    t = warp / S;
+    sp = warp % S;
+  }
+  if (t >= (r1 - r0) / QMK_ROW_TILE) return false;
   const MkWeight W = reinterpret_cast<const MkWeight*>(P.weights)[w[QMK_F_W0]];
-  const int S = w[QMK_F_NSPLIT], per = (W.cols / QMK_KBLK) / S, kb0 = w[QMK_F_SPLIT] * per;
-  if (W.fp8) qmk_gemv_ring_prologue<QMK_W_FP8>((const void*)W.ptr, W.cols, r0 + warp * QMK_ROW_TILE, kb0, kb0 + per, ring, QMK_MK_RING);
-  else qmk_gemv_ring_prologue<QMK_W_BF16>((const void*)W.ptr, W.cols, r0 + warp * QMK_ROW_TILE, kb0, kb0 + per, ring, QMK_MK_RING);
+  const int per = (W.cols / QMK_KBLK) / S, kb0 = sp * per, row0 = r0 + t * QMK_ROW_TILE;
+  if (W.fp8) qmk_gemv_ring_prologue<QMK_W_FP8>((const void*)W.ptr, W.cols, row0, kb0, kb0 + per, ring, QMK_MK_RING);
+  else qmk_gemv_ring_prologue<QMK_W_BF16>((const void*)W.ptr, W.cols, row0, kb0, kb0 + per, ring, QMK_MK_RING);
   return true;
 #else
   (void)P; (void)w; (void)ring;
   return false;
 #endif
+}
+
+#ifndef QMK_MK_KEYS
+#define QMK_MK_KEYS 1  // 1: the head keeps per-SM best keys and the ARGMAX reads those (isa.py ARGMAX_KEYS)
+#endif
+#define MK_KEYS QMK_MK_KEYS
+// ARGMAX_KEYS: this SM's slot of P.keys (uint64 [num_sms][2]: best key, step) takes the block's best key b of the
+// logits this instruction wrote (combined with an earlier one of the same step, should the SM run two). Thread 0
+// writes it before the instruction's bump (its release orders the slot for the ARGMAX's acquire).
+__device__ __forceinline__ void mk_keys_publish(const MkParams& P, qmk_u64 b, uint32_t step) {
+  if (threadIdx.x == 0) {
+    qmk_u64* slot = reinterpret_cast<qmk_u64*>(P.keys) + 2 * blockIdx.x;
+    if ((uint32_t)slot[1] == step) b = slot[0] > b ? slot[0] : b;
+    slot[0] = b;
+    slot[1] = step;
+  }
 }
 
 // GEMV: rows [r0, r1) of weight w0 (for swiglu: gate rows r0.. and up rows F+r0.. of the fused [2F, K] weight),
@@ -179,7 +203,8 @@ __device__ __forceinline__ bool mk_gemv_prefetch(const MkParams& P, const int* w
 // → its reads; the block's bump after the instruction releases the tile outputs to the consumers.
 // nsplit == 1: the epilogue straight into buf1.
 // issued: mk_gemv_prefetch started this warp's first tile.
-__device__ void mk_gemv(const MkParams& P, const int* w, qmk_u16* xn, MkSmemTail& sm, qmk_u32 ring, bool issued) {
+__device__ void mk_gemv(const MkParams& P, const int* w, qmk_u16* xn, MkSmemTail& sm, qmk_u32 ring, bool issued,
+                        uint32_t step) {
   const int sub = w[QMK_F_SUB], pro = sub & 15, epi = (sub >> 4) & 15;
   const int M = w[QMK_F_M], r0 = w[QMK_F_ROW_START], r1 = w[QMK_F_ROW_END];
   const int s = w[QMK_F_SPLIT], S = w[QMK_F_NSPLIT];
@@ -223,7 +248,15 @@ __device__ void mk_gemv(const MkParams& P, const int* w, qmk_u16* xn, MkSmemTail
   const int F = N >> 1, per = (K / QMK_KBLK) / S, kb0 = s * per, kb1 = kb0 + per;
   const int tiles = (r1 - r0) / QMK_ROW_TILE;
   if (S > 1) {
-    float* part = mk_buf<float>(P, w[QMK_F_BUF3]);
+    // LOCAL_REDUCE (isa.py): all S splits of rows [r0, r1) here, in rounds of MK_WARPS / S tiles — warp w computes
+    // split w % S of tile w / S (that split's K range, as a split instruction would), the fp32 partials go to
+    // shared memory ([S, M, round tiles · 16], qmk_gemv_store_partial's layout) and the block applies gemv.cuh's
+    // epilogue in fixed split order: the bits of GEMV partials + GEMV_REDUCE. Store epilogue only (the
+    // scheduler's local_candidate). Otherwise split s of the rows: one tile per warp per round, partials to buf3.
+    const bool local = (sub & QMK_SUB_LOCAL_REDUCE) != 0;
+    if (local && (S > MK_WARPS || epi != QMK_EPI_STORE) && threadIdx.x == 0) mk_fail(P, MK_ERR_LOCAL, S);
+    const int tpr = local ? MK_WARPS / S : MK_WARPS, NL = tpr * QMK_ROW_TILE;
+    float* part = local ? &sm.u.ep[0][0] : mk_buf<float>(P, w[QMK_F_BUF3]);  // local: S · M · NL ≤ 16 · 8 · 16 floats
 #if QMK_MK_FUSE_REDUCE
     const bool fused = (sub & QMK_SUB_FUSE_REDUCE) != 0;
 #else
@@ -231,18 +264,30 @@ __device__ void mk_gemv(const MkParams& P, const int* w, qmk_u16* xn, MkSmemTail
     if ((sub & QMK_SUB_FUSE_REDUCE) != 0 && threadIdx.x == 0) mk_fail(P, MK_ERR_FUSED, w[QMK_F_OP]);
 #endif
     unsigned int* arrive = reinterpret_cast<unsigned int*>(part + (size_t)S * M * N);  // [N / 16], after the partials
-    qmk_u16* out = fused ? mk_buf<qmk_u16>(P, w[QMK_F_BUF1]) : nullptr;
+    qmk_u16* out = fused || local ? mk_buf<qmk_u16>(P, w[QMK_F_BUF1]) : nullptr;
     const qmk_u16* resid = fused && epi == QMK_EPI_RESIDUAL ? mk_buf<const qmk_u16>(P, w[QMK_F_BUF2]) : nullptr;
-    for (int t = warp; t < tiles; t += MK_WARPS) {
-      const int row0 = r0 + t * QMK_ROW_TILE;
-      float acc[4];
-      mk_tile(acc, W, x, M, row0, kb0, kb1, ring, issued && t == warp);
-      qmk_gemv_store_partial(acc, part, M, N, s, row0);
-      if (fused) qmk_gemv_finish_tile(part, S, M, N, epi, row0 / QMK_ROW_TILE, arrive, resid, out);
-      if (epi == QMK_EPI_SWIGLU) {
-        mk_tile(acc, W, x, M, F + row0, kb0, kb1, ring);
-        qmk_gemv_store_partial(acc, part, M, N, s, F + row0);
-        if (fused) qmk_gemv_finish_tile(part, S, M, N, epi, (F + row0) / QMK_ROW_TILE, arrive, resid, out);
+    for (int base = 0; base < tiles; base += tpr) {
+      const int t = base + (local ? warp / S : warp), sp = local ? warp % S : s;
+      if ((!local || warp < tpr * S) && t < tiles) {
+        const int row0 = r0 + t * QMK_ROW_TILE, pk0 = sp * per;
+        float acc[4];
+        mk_tile(acc, W, x, M, row0, pk0, pk0 + per, ring, issued && base == 0);
+        qmk_gemv_store_partial(acc, part, M, local ? NL : N, sp, local ? (warp / S) * QMK_ROW_TILE : row0);
+        if (fused) qmk_gemv_finish_tile(part, S, M, N, epi, row0 / QMK_ROW_TILE, arrive, resid, out);
+        if (epi == QMK_EPI_SWIGLU) {
+          mk_tile(acc, W, x, M, F + row0, kb0, kb1, ring);
+          qmk_gemv_store_partial(acc, part, M, N, s, F + row0);
+          if (fused) qmk_gemv_finish_tile(part, S, M, N, epi, (F + row0) / QMK_ROW_TILE, arrive, resid, out);
+        }
+      }
+      if (local) {
+        __syncthreads();
+        const int nrow = min(tpr, tiles - base) * QMK_ROW_TILE, n0 = r0 + base * QMK_ROW_TILE;
+        for (int i = threadIdx.x; i < M * nrow; i += MK_THREADS) {
+          const int m = i / nrow, nl = i - m * nrow;
+          out[(size_t)m * N + n0 + nl] = qmk_gemv_epilogue(QMK_EPI_STORE, part, S, M, NL, m, nl, nullptr);
+        }
+        __syncthreads();
       }
     }
     return;
@@ -253,6 +298,9 @@ __device__ void mk_gemv(const MkParams& P, const int* w, qmk_u16* xn, MkSmemTail
   const qmk_u16* resid = epi == QMK_EPI_RESIDUAL ? mk_buf<const qmk_u16>(P, w[QMK_F_BUF2]) : nullptr;
   const int nout = epi == QMK_EPI_SWIGLU ? F : N;
   float* ep = &sm.u.ep[0][0];
+  // the head of a 1-row step also keeps its best logit key (sm.best_key; mk_keys_publish), decided from the words
+  // in each round so that nothing stays live across the tiles (the GEMV loop is at the register cap)
+  if (threadIdx.x == 0) sm.best_key = 0;  // read after the rounds' barriers
   for (int base = 0; base < tiles; base += MK_WARPS) {
     const int t = base + warp;
     if (t < tiles) {
@@ -267,15 +315,29 @@ __device__ void mk_gemv(const MkParams& P, const int* w, qmk_u16* xn, MkSmemTail
     }
     __syncthreads();
     const int nrow = min(MK_WARPS, tiles - base) * QMK_ROW_TILE, n0 = r0 + base * QMK_ROW_TILE;
+    const bool keys = MK_KEYS && (w[QMK_F_SUB] & QMK_SUB_ARGMAX_KEYS) && w[QMK_F_M] == 1;
+    qmk_u64 best = 0;
     for (int i = threadIdx.x; i < M * nrow; i += MK_THREADS) {
       const int m = i / nrow, nl = i - m * nrow;
       // per row m: P = that row's [gate | up] run, N' = 2·MK_EP_ROWS (so F' = MK_EP_ROWS), residual row m at n0
       const qmk_u16* rr = resid ? resid + (size_t)m * N + n0 : nullptr;
-      out[(size_t)m * nout + n0 + nl] =
-          qmk_gemv_epilogue(epi, ep + (size_t)m * 2 * MK_EP_ROWS, 1, 1, 2 * MK_EP_ROWS, 0, nl, rr);
+      const qmk_u16 y = qmk_gemv_epilogue(epi, ep + (size_t)m * 2 * MK_EP_ROWS, 1, 1, 2 * MK_EP_ROWS, 0, nl, rr);
+      out[(size_t)m * nout + n0 + nl] = y;
+      if (keys && n0 + nl < QMK_VALID_VOCAB) {  // padding ids never compete (as mk_argmax's scan)
+        const qmk_u64 k = qmk_logit_key(y, n0 + nl);
+        best = k > best ? k : best;
+      }
+    }
+    if (keys) {
+      for (int o = 16; o > 0; o >>= 1) {
+        const qmk_u64 t = __shfl_xor_sync(0xFFFFFFFFu, best, o);
+        best = t > best ? t : best;
+      }
+      if ((threadIdx.x & 31) == 0 && best) atomicMax(&sm.best_key, (unsigned long long)best);
     }
     __syncthreads();
   }
+  if (MK_KEYS && (w[QMK_F_SUB] & QMK_SUB_ARGMAX_KEYS) && w[QMK_F_M] == 1) mk_keys_publish(P, sm.best_key, step);
 }
 
 // GEMV_REDUCE: the discrete gemv_reduce body over outputs (m, n), n in [r0, r1): fixed split order + epilogue.
@@ -317,14 +379,23 @@ __device__ void mk_embed(const MkParams& P, const int* w) {
 #define QMK_MK_ARGMAX_VEC 1  // 1: 16-byte logit loads, MK_ARGMAX_BATCH in flight per thread; 0: one u16 per load
 #endif
 #define MK_ARGMAX_BATCH 4
-__device__ void mk_argmax(const MkParams& P, const int* w, MkSmemTail& sm) {
+__device__ void mk_argmax(const MkParams& P, const int* w, MkSmemTail& sm, uint32_t step) {
   const int M = w[QMK_F_M], lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const qmk_u16* logits = mk_buf<const qmk_u16>(P, w[QMK_F_BUF0]);
   int* ids = mk_buf<int>(P, w[QMK_F_BUF1]);
+  const bool keys = MK_KEYS && (w[QMK_F_SUB] & QMK_SUB_ARGMAX_KEYS) && M == 1;  // the head's per-SM best keys
   for (int m = 0; m < M; ++m) {
     // max of the keys (logit desc, id asc): one key per id, so the order of the scan never changes the result
     qmk_u64 k = 0;
     const qmk_u16* row = logits + (size_t)m * QMK_VOCAB;
+    if (keys) {
+      // this step's slots (an SM without a head instruction this step left an older step in its slot)
+      const ulonglong2* slots = reinterpret_cast<const ulonglong2*>(P.keys);
+      for (int i = threadIdx.x; i < (int)gridDim.x; i += MK_THREADS) {
+        const ulonglong2 e = __ldcg(slots + i);  // L2: other SMs wrote them
+        if ((uint32_t)e.y == step) k = e.x > k ? e.x : k;
+      }
+    } else
 #if QMK_MK_ARGMAX_VEC
     if (QMK_VOCAB % 8 == 0 && (reinterpret_cast<size_t>(row) & 15) == 0) {
       // one thread ran the scan alone, one 2-byte L2 round trip after another: 108 µs per step on the 27B
@@ -387,9 +458,47 @@ __device__ void mk_argmax(const MkParams& P, const int* w, MkSmemTail& sm) {
 #define QMK_MK_GDN_MR 0  // rows the GDN step's registers are sized for; 0: 1 in the M = 1 build, else QMK_MAX_ROWS
 #endif
 #define MK_GDN_MR (QMK_MK_GDN_MR > 0 ? QMK_MK_GDN_MR : (QMK_MK_M1 ? 1 : QMK_MAX_ROWS))
+#ifndef QMK_MK_GDN_STATE_PREFETCH
+#define QMK_MK_GDN_STATE_PREFETCH 1  // 1: a GDN step copies its first value head's state to shared memory before its wait
+#endif
+#define MK_GDN_STATE_BYTES (QMK_GDN_DV * QMK_GDN_DK * 4)
+#define MK_GDN_PREFETCH (QMK_MK_GDN_STATE_PREFETCH && MK_WARPS * QMK_MK_RING * QMK_GEMV_UNIT_BYTES >= MK_GDN_STATE_BYTES)
+// The value heads [j0, j1) of a GDN_STEP (part split of nsplit of key heads [r0, r1); asm_regions._gdn_part).
+__device__ __forceinline__ void mk_gdn_heads(const int* w, int& j0, int& j1) {
+  const int r0 = w[QMK_F_ROW_START], r1 = w[QMK_F_ROW_END];
+  const int nv = (r1 - r0) * QMK_GDN_HEAD_GROUP, sp = w[QMK_F_SPLIT], ns = w[QMK_F_NSPLIT];
+  j0 = r0 * QMK_GDN_HEAD_GROUP + sp * nv / ns;
+  j1 = r0 * QMK_GDN_HEAD_GROUP + (sp + 1) * nv / ns;
+}
+// Before the instruction's waits: the recurrent state of its first value head [DV, DK] fp32 into the (idle) GEMV
+// ring region, by cp.async; each thread copies exactly the 16-byte pieces it reads back in the step, so its own
+// cp.async.wait_all orders them (no barrier). The state was last written by this layer's GDN step of the previous
+// step, which every instruction of this step is ordered after (the step edge: embed waits on the previous argmax).
+// Returns whether it copied.
+__device__ __forceinline__ bool mk_gdn_prefetch_state(const MkParams& P, const int* w, qmk_u32 ring) {
+#if MK_GDN_PREFETCH
+  int j0, j1;
+  mk_gdn_heads(w, j0, j1);
+  if (j1 <= j0) return false;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const float* st = mk_buf<const float>(P, w[QMK_F_BUF5]) + ((size_t)j0 * QMK_GDN_DV + warp * MX_GDN_CPW) * QMK_GDN_DK + lane * 4;
+  const qmk_u32 dst = ring - (threadIdx.x >> 5) * QMK_MK_RING * QMK_GEMV_UNIT_BYTES +  // the region's start
+                      ((warp * MX_GDN_CPW) * QMK_GDN_DK + lane * 4) * 4;
+#pragma unroll
+  for (int c = 0; c < MX_GDN_CPW; ++c) qmk_cp_async16(dst + c * QMK_GDN_DK * 4, st + c * QMK_GDN_DK);
+  qmk_cp_async_commit();
+  return true;
+#else
+  (void)P; (void)w; (void)ring;
+  return false;
+#endif
+}
+
 // normed: hn already holds RMSNorm(buf2; w1) of this step (mk_xn_holds), computed by this SM's in-projection
 // prologue with the same function on the same values, so the same bits; the norm is skipped.
-__device__ void mk_gdn(const MkParams& P, const int* w, qmk_u16* hn, MkSmemTail& sm, bool normed) {
+// staged: mk_gdn_prefetch_state copied the first value head's state to st_smem (generic address of the region).
+__device__ void mk_gdn(const MkParams& P, const int* w, qmk_u16* hn, MkSmemTail& sm, bool normed, bool staged,
+                       const float* st_smem) {
   const int M = w[QMK_F_M], r0 = w[QMK_F_ROW_START], r1 = w[QMK_F_ROW_END];
   const MkLayer L = reinterpret_cast<const MkLayer*>(P.layers)[w[QMK_F_LAYER]];
   const MkWeight nw = reinterpret_cast<const MkWeight*>(P.weights)[w[QMK_F_W1]];
@@ -400,13 +509,16 @@ __device__ void mk_gdn(const MkParams& P, const int* w, qmk_u16* hn, MkSmemTail&
   }
   const int pos = mk_pos(P);
   // value heads of key heads [r0, r1); split / nsplit (runner.split_gdn) hand a part of them to this instruction
-  const int nv = (r1 - r0) * QMK_GDN_HEAD_GROUP, sp = w[QMK_F_SPLIT], ns = w[QMK_F_NSPLIT];
-  const int j0 = r0 * QMK_GDN_HEAD_GROUP + sp * nv / ns, j1 = r0 * QMK_GDN_HEAD_GROUP + (sp + 1) * nv / ns;
+  int j0, j1;
+  mk_gdn_heads(w, j0, j1);
+  (void)r0; (void)r1;
+  if (staged) asm volatile("cp.async.wait_all;" ::: "memory");  // this thread's own pieces of the state copy
   for (int j = j0; j < j1; ++j) {
     mx_gdn_step_head<MK_GDN_MR>(mk_buf<const mx_u16>(P, w[QMK_F_BUF0]), mk_buf<const mx_u16>(P, w[QMK_F_BUF1]), hn,
                      (const mx_u16*)L.t[0], (const mx_u16*)L.t[1], (const mx_u16*)L.t[2], (const mx_u16*)L.t[3],
                      (const mx_u16*)L.t[4], (const mx_u16*)L.t[5], mk_buf<mx_u16>(P, w[QMK_F_BUF4]),
-                     mk_buf<float>(P, w[QMK_F_BUF5]), mk_buf<mx_u16>(P, w[QMK_F_BUF3]), pos, M, j, sm.u.gdn);
+                     mk_buf<float>(P, w[QMK_F_BUF5]), mk_buf<mx_u16>(P, w[QMK_F_BUF3]), pos, M, j, sm.u.gdn,
+                     staged && j == j0 ? st_smem : nullptr);
     __syncthreads();
   }
 }
@@ -573,6 +685,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_main(const MkPara
       if (threadIdx.x < QMK_ISA_WORDS && j + 1 < len) next = prog[(size_t)(j + 1) * QMK_ISA_WORDS + threadIdx.x];
       const int* w = sm.words;
       const bool issued = w[QMK_F_OPCODE] == QMK_OP_GEMV && mk_gemv_prefetch(P, w, ring);
+      const bool staged = w[QMK_F_OPCODE] == QMK_OP_GDN_STEP && mk_gdn_prefetch_state(P, w, ring);
       mk_wait_all(P, w, step);
 #ifdef QMK_MK_TIMING
       uint64_t t1 = 0;
@@ -581,14 +694,17 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_main(const MkPara
       switch (w[QMK_F_OPCODE]) {
         case QMK_OP_NOP: break;
         case QMK_OP_EMBED: mk_embed(P, w); break;
-        case QMK_OP_GEMV: mk_gemv(P, w, xn, sm, ring, issued); break;
+        case QMK_OP_GEMV: mk_gemv(P, w, xn, sm, ring, issued, step); break;
         case QMK_OP_GEMV_REDUCE: mk_gemv_reduce(P, w); break;
-        case QMK_OP_GDN_STEP: mk_gdn(P, w, xn, sm, mk_xn_holds(sm, w, step)); break;
+        case QMK_OP_GDN_STEP:
+          mk_gdn(P, w, xn, sm, mk_xn_holds(sm, w, step), staged,
+                 reinterpret_cast<const float*>(mk_smem + MK_RING_OFF));
+          break;
         case QMK_OP_ATTN_PREP: mk_attn_prep(P, w); break;
         case QMK_OP_ATTN_SCORES: mk_attn_scores(P, w); break;
         case QMK_OP_ATTN_VALUES: mk_attn_values(P, w, sm); break;
         case QMK_OP_ATTN_REDUCE: mk_attn_reduce(P, w); break;
-        case QMK_OP_ARGMAX: mk_argmax(P, w, sm); break;
+        case QMK_OP_ARGMAX: mk_argmax(P, w, sm, step); break;
         default: if (threadIdx.x == 0) mk_fail(P, MK_ERR_OPCODE, w[QMK_F_OPCODE]);
       }
       if (threadIdx.x == 0) mk_xn_tag(sm, w, step);  // read by the next instruction after its first barrier

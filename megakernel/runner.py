@@ -39,14 +39,17 @@ DEFAULT_FUSE = False  # Megakernel's default program: GEMV_REDUCE instructions (
 # residual split-K reduces in the consumers' prologues (graph.defer_reduces; session 8) for 1-row programs; at M rows
 # every consumer instruction re-reads S·M·K partials (M = 8, 27B: ≈ 1.3 MB each), so M > 1 keeps GEMV_REDUCE
 DEFAULT_DEFER = True
+# split-K in-projections reduced on their own instructions in shared memory (scheduler local_reduce; session 9)
+DEFAULT_LOCAL = True
 PREFETCH = 1         # QMK_MK_PREFETCH: a GEMV issues its first RING - 1 ring units before waiting for its input
 ERRORS = {1: "unknown opcode", 2: "unsupported GEMV prologue (MTP concat, or an unknown one)",
           3: "bad row range",
           4: "fused split-K reduce in the program, but the module was built without it",
-          5: "a GEMV or GDN step of M != 1 rows, but the module was built for M = 1"}
+          5: "a GEMV or GDN step of M != 1 rows, but the module was built for M = 1",
+          6: "a local-reduce GEMV with more splits than the block has warps, or not a store epilogue"}
 
 _P = [(n, "<u8") for n in ("prog", "lens", "counters", "bufs", "weights", "layers", "embed", "ctrl", "page_table",
-                           "inv_freq", "host", "mirror", "timing")]
+                           "inv_freq", "host", "mirror", "timing", "keys")]
 PARAMS_DTYPE = np.dtype(_P + [("page_stride", "<i8"), ("max_len", "<i4"), ("att_cap", "<i4"), ("n_steps", "<i4"),
                               ("persistent", "<i4"), ("seed", "<u4"), ("step_base", "<u4"), ("delay_op", "<i4"),
                               ("delay_ns", "<i4")], align=True)
@@ -109,13 +112,15 @@ def ring_slots(cfg: ModelConfig) -> int:
 
 @functools.lru_cache(maxsize=16)
 def build_program(cfg: ModelConfig, m: int, num_sms: int, layer_limit: int | None = None,
-                  fuse_reduce: bool = DEFAULT_FUSE, defer_reduce: bool | None = None):
+                  fuse_reduce: bool = DEFAULT_FUSE, defer_reduce: bool | None = None,
+                  local_reduce: bool = DEFAULT_LOCAL):
     """The assembled program of ``verify_graph(cfg, m, layer_limit, defer_reduce)`` for ``num_sms`` SMs (cached per
     process: the 27B schedule takes seconds; callers never modify it). ``defer_reduce`` None: DEFAULT_DEFER for
-    m = 1, False for more rows."""
+    m = 1, False for more rows; ``local_reduce``: the scheduler's (in-projections reduced on their instructions)."""
     if defer_reduce is None:
         defer_reduce = DEFAULT_DEFER and m == 1
-    return schedule(verify_graph(cfg, m, layer_limit, defer_reduce), num_sms, fuse_reduce)
+    return schedule(verify_graph(cfg, m, layer_limit, defer_reduce), num_sms, fuse_reduce,
+                    local_reduce=local_reduce)
 
 
 def _cover_waits(prog, ins) -> tuple:
@@ -246,14 +251,15 @@ class Megakernel:
     ``layer_limit``, ``stop_after``, ``nop``, ``timing``, ``drop_wait``, ``delay_op``/``delay_ns``: see the
     module docstring; ``defer_reduce``: the program with residual split-K reduces in the consumers' prologues
     (None: ``DEFAULT_DEFER`` for 1-row steps, off for more rows; False: GEMV_REDUCE instructions for them as
-    before session 8). Raises ValueError on bad arguments and RuntimeError when the device cannot hold exactly
+    before session 8); ``local_reduce``: split-K in-projections reduced on their own instructions (scheduler
+    ``local_reduce``; default DEFAULT_LOCAL). Raises ValueError on bad arguments and RuntimeError when the device cannot hold exactly
     one block per SM (or when the kernel reports an error)."""
 
     def __init__(self, decode_step, num_sms: int | None = None, *, m_rows: int | None = None,
                  layer_limit: int | None = None, stop_after: int | None = None, nop: bool = False,
                  timing: bool = False, drop_wait=None, delay_op: int = -1, delay_ns: int = 0,
                  gdn_split: int | None = None, defines: dict | None = None, fuse_reduce: bool = DEFAULT_FUSE,
-                 defer_reduce: bool | None = None):
+                 defer_reduce: bool | None = None, local_reduce: bool = DEFAULT_LOCAL):
         import cupy as cp
         self.ds, self.cfg = decode_step, decode_step.cfg
         cfg = self.cfg
@@ -264,7 +270,9 @@ class Megakernel:
             raise ValueError(f"Megakernel: m_rows={self.m}; expected 1..{MAX_ROWS}")
         self.fuse_reduce = bool(fuse_reduce)
         self.defer_reduce = bool(DEFAULT_DEFER and self.m == 1) if defer_reduce is None else bool(defer_reduce)
-        self.program = build_program(cfg, self.m, self.num_sms, layer_limit, self.fuse_reduce, self.defer_reduce)
+        self.local_reduce = bool(local_reduce)
+        self.program = build_program(cfg, self.m, self.num_sms, layer_limit, self.fuse_reduce, self.defer_reduce,
+                                     self.local_reduce)
         if gdn_split is None:  # default: every value head its own GDN_STEP (measured faster on the 27B, run 7)
             gdn_split = cfg.gdn_head_group
         if gdn_split > 1:
@@ -283,6 +291,8 @@ class Megakernel:
         self.d_layers = cp.asarray(self._layer_table().view(np.uint8))
         self.mirror = cp.zeros(4, cp.uint32)
         self.d_timing = cp.zeros((self.num_sms, self.max_len, 3), cp.uint64) if timing else None
+        # the head's per-SM best keys for the ARGMAX (isa.py ARGMAX_KEYS): [key, step] per SM; step 0 never runs
+        self.d_keys = cp.zeros((self.num_sms, 2), cp.uint64)
         self._host_ptr = cp.cuda.runtime.hostAlloc(16, cp.cuda.runtime.hostAllocMapped)
         self.host = (ctypes.c_uint32 * 4).from_address(self._host_ptr)
         self.steps_done = 0
@@ -429,6 +439,7 @@ class Megakernel:
         p["page_table"], p["page_stride"] = ds.sess.table.data.ptr, ds.kv.page_stride
         p["host"], p["mirror"] = self._host_ptr, self.mirror.data.ptr
         p["timing"] = 0 if self.d_timing is None else self.d_timing.data.ptr
+        p["keys"] = self.d_keys.data.ptr
         p["max_len"], p["seed"], p["delay_op"], p["delay_ns"] = self.max_len, COUNTER_SEED, delay_op, delay_ns
         self.d_params = cp.zeros(PARAMS_DTYPE.itemsize, cp.uint8)
 

@@ -43,7 +43,12 @@ def variants() -> list[tuple[str, bool, dict]]:
         # norm taken from xn when its SM's in-projection left it there, ARGMAX with 16-byte loads in flight
         ("gdn_mr8", False, {"QMK_MK_GDN_MR": 8}),
         ("no_xn_reuse", False, {"QMK_MK_XN_REUSE": 0}),
-        ("argmax_scalar", False, {"QMK_MK_ARGMAX_VEC": 0}),
+        ("argmax_scalar", False, {"QMK_MK_ARGMAX_VEC": 0, "QMK_MK_KEYS": 0}),
+        # session 9, later: the in-projections reduced on their own instructions (scheduler local_reduce), the
+        # head's per-SM best keys for the ARGMAX, the GDN state copied to shared memory before the step's wait
+        ("no_local", False, {"_local_reduce": 0}),
+        ("no_keys", False, {"QMK_MK_KEYS": 0}),
+        ("no_gdn_state_prefetch", False, {"QMK_MK_GDN_STATE_PREFETCH": 0}),
         # session 8: the counter protocol (sync.cuh, mk_wait_all); the default is fence 0, acquire polls, no sleep
         ("sync_s7", False, {"QMK_MK_BUMP_FENCE": 1, "QMK_MK_POLL_ACQUIRE": 0, "QMK_MK_SPIN_NS": 32}),
         ("bump_fence", False, {"QMK_MK_BUMP_FENCE": 1}),
@@ -81,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ga = DecodeStep(cfg, w, cap, 1, debug_logits=True)
     gb = DecodeStep(cfg, w, cap, 1, debug_logits=True)
     mks = [(name, Megakernel(gb, fuse_reduce=f, defines=defs(x),
-                             defer_reduce=None if "_defer_reduce" not in x else bool(x["_defer_reduce"]))) for name, f, x in vs]
+                             defer_reduce=None if "_defer_reduce" not in x else bool(x["_defer_reduce"]),
+                             local_reduce=bool(x.get("_local_reduce", runner.DEFAULT_LOCAL)))) for name, f, x in vs]
     for s in (ga, gb):
         s.poison()
         s.reset(CTX, [1000])

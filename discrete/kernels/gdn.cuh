@@ -124,14 +124,18 @@ __device__ __forceinline__ float mx_u2_bf(const uint2& v, int e) {  // element e
 }
 
 // Args: qkv [M, CONV_DIM] (in_proj_qkv output, pre-conv), z [M, VALUE_DIM], hn [M, HIDDEN] (normed hidden);
-// ring, state as above; out [M, VALUE_DIM] bf16; pos = position of row 0; pre = mx_gdn_prefetch of head j.
+// ring, state as above; out [M, VALUE_DIM] bf16; pos = position of row 0; pre = mx_gdn_prefetch of head j;
+// state_in: null, or a copy of head j's state [DV, DK] fp32 (the megakernel's, in shared memory, copied before its
+// dependency wait: the state depends only on the previous step) to read instead of `state`, which is still the one
+// written back. Same values, same bits.
 // CH: state columns whose warp sums run interleaved (the discrete kernel: all MX_GDN_CPW; the megakernel, short of
 // registers: 1); the bits do not depend on it. Call from all threads of a MX_GDN_THREADS block.
 template <int CH, int MR = QMK_MAX_ROWS>
 __device__ __forceinline__ void mx_gdn_step_head_pre(const mx_u16* __restrict__ qkv, const mx_u16* __restrict__ z,
                                      const mx_u16* __restrict__ hn, mx_u16* __restrict__ ring,
                                      float* __restrict__ state, mx_u16* __restrict__ out, int pos, int M, int j,
-                                     const MxGdnPre& pre, MxGdnSmem& sm) {
+                                     const MxGdnPre& pre, MxGdnSmem& sm,
+                                     const float* __restrict__ state_in = nullptr) {
     static_assert(MX_GDN_CPW % CH == 0, "gdn.cuh: CH must divide the columns per warp");
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int hk = j / QMK_GDN_HEAD_GROUP;
@@ -140,8 +144,9 @@ __device__ __forceinline__ void mx_gdn_step_head_pre(const mx_u16* __restrict__ 
     // every input load is issued up front: the state (the bytes this kernel is about), the conv window, z
     float4 S[MX_GDN_CPW];
     float* st = state + ((size_t)j * QMK_GDN_DV + warp * MX_GDN_CPW) * QMK_GDN_DK + lane * 4;
+    const float* sr = state_in ? state_in + (warp * MX_GDN_CPW) * QMK_GDN_DK + lane * 4 : st;
 #pragma unroll
-    for (int c = 0; c < MX_GDN_CPW; ++c) S[c] = *reinterpret_cast<const float4*>(st + c * QMK_GDN_DK);
+    for (int c = 0; c < MX_GDN_CPW; ++c) S[c] = *reinterpret_cast<const float4*>(sr + c * QMK_GDN_DK);
     const int c = tid;  // conv channel of this thread (c < MX_GDN_CH)
     const int ch = c < QMK_GDN_DK ? hk * QMK_GDN_DK + c
                  : c < 2 * QMK_GDN_DK ? QMK_GDN_KEY_DIM + hk * QMK_GDN_DK + (c - QMK_GDN_DK)
@@ -321,8 +326,8 @@ __device__ __forceinline__ void mx_gdn_step_head(const mx_u16* __restrict__ qkv,
                                                  const mx_u16* __restrict__ dt_bias, const mx_u16* __restrict__ conv_w,
                                                  const mx_u16* __restrict__ norm_w, mx_u16* __restrict__ ring,
                                                  float* __restrict__ state, mx_u16* __restrict__ out, int pos, int M,
-                                                 int j, MxGdnSmem& sm) {
+                                                 int j, MxGdnSmem& sm, const float* __restrict__ state_in = nullptr) {
     MxGdnPre pre;
     mx_gdn_prefetch(w_a, w_b, a_log, dt_bias, conv_w, norm_w, j, pre);
-    mx_gdn_step_head_pre<1, MR>(qkv, z, hn, ring, state, out, pos, M, j, pre, sm);
+    mx_gdn_step_head_pre<1, MR>(qkv, z, hn, ring, state, out, pos, M, j, pre, sm, state_in);
 }

@@ -20,7 +20,8 @@ MAX_SMS = 1024  # far above any GPU's SM count; the assembler's time and memory 
 
 # options that shape the assembled program; --timings runs the megakernel's own default decode program instead
 _PROGRAM_ONLY = {"layer_limit": "--layer-limit", "rows": "--rows", "kind": "--kind", "fuse_reduce": "--fuse-reduce",
-                 "defer_reduce": "--defer-reduce", "check": "--verify", "gdn_split": "--gdn-split"}
+                 "defer_reduce": "--defer-reduce", "local_reduce": "--local-reduce", "check": "--verify",
+                 "gdn_split": "--gdn-split"}
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -39,6 +40,9 @@ _PROGRAM_ONLY = {"layer_limit": "--layer-limit", "rows": "--rows", "kind": "--ki
 @click.option("--defer-reduce/--no-defer-reduce", default=None,
               help="residual split-K reduces in the consumers' prologues instead of GEMV_REDUCE stages (default: the "
                    "megakernel's default program)")
+@click.option("--local-reduce/--no-local-reduce", default=None,
+              help="split-K in-projections reduced on their own instructions in shared memory instead of GEMV_REDUCE "
+                   "stages (default: the megakernel's default program)")
 @click.option("--gdn-split", type=click.IntRange(min=1), default=1, show_default=True,
               help="split every GDN step over its key head's value heads in this many parts, as the megakernel runner "
                    "does (its default: the head group, one part per value head; 1 = the program as assembled)")
@@ -47,13 +51,13 @@ _PROGRAM_ONLY = {"layer_limit": "--layer-limit", "rows": "--rows", "kind": "--ki
 @click.option("--timings", is_flag=True, help="run the megakernel's default decode program (2 steps) on the GPU with "
               "per-instruction timing slots (QMK_MK_TIMING build) and print them as JSON; takes --preset, --sms, "
               "--context (and --format json); refuses --layer-limit, --rows, --kind, --fuse-reduce, --defer-reduce, "
-              "--verify, "
+              "--local-reduce, --verify, "
               "--format text/stats; exit 7 without a GPU")
 @click.option("--context", type=click.IntRange(min=0), default=0, show_default=True,
               help="with --timings: start position; otherwise the KV context whose attention bytes the stats add")
 def command(preset_name: str, sms: int, fmt: str, layer_limit: int | None, rows: int, kind: str,
-            fuse_reduce: bool | None, defer_reduce: bool | None, gdn_split: int, check: bool, timings: bool,
-            context: int) -> None:
+            fuse_reduce: bool | None, defer_reduce: bool | None, local_reduce: bool | None, gdn_split: int,
+            check: bool, timings: bool, context: int) -> None:
     """Print the instruction program of one step and its stats (bytes per SM, imbalance, waits, critical path)."""
     if timings:
         ctx = click.get_current_context()
@@ -89,7 +93,10 @@ def command(preset_name: str, sms: int, fmt: str, layer_limit: int | None, rows:
     if gdn_split > cfg.gdn_head_group:
         raise click.BadParameter(f"{gdn_split} > the value heads per key head ({cfg.gdn_head_group})",
                                  param_hint="--gdn-split")
-    prog = schedule(g, sms, fuse_reduce)
+    if local_reduce is None:
+        from megakernel.runner import DEFAULT_LOCAL
+        local_reduce = DEFAULT_LOCAL
+    prog = schedule(g, sms, fuse_reduce, local_reduce=local_reduce)
     if gdn_split > 1:
         from megakernel.runner import split_gdn
         prog = split_gdn(prog, gdn_split)

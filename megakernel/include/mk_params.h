@@ -34,6 +34,7 @@ struct MkParams {
   uint64_t host;        // mapped host uint32 [4]: go, quit, steps done, out token (persistent mode)
   uint64_t mirror;      // device uint32 [4]: unused, quit mirror, error code, error detail
   uint64_t timing;      // uint64 [num_sms, max_len, 3] globaltimer stamps (QMK_MK_TIMING builds), or 0
+  uint64_t keys;        // uint64 [num_sms, 2]: per SM the head's best logit key and its step (isa.py ARGMAX_KEYS)
   int64_t page_stride;  // elements between pages of the KV pool
   int32_t max_len, att_cap, n_steps, persistent;  // att_cap: key capacity of the attention scores scratch
   uint32_t seed, step_base;  // counter seed; steps this program completed before the launch
@@ -56,3 +57,4 @@ static_assert(sizeof(MkWeight) == QMK_MKW_SIZE && sizeof(MkLayer) == QMK_MKL_SIZ
 #define MK_ERR_ROWS 3
 #define MK_ERR_FUSED 4
 #define MK_ERR_M1 5  // a GEMV or GDN step of M != 1 rows in a module built for M = 1 (QMK_MK_M1)
+#define MK_ERR_LOCAL 6  // a LOCAL_REDUCE GEMV with more splits than warps, or an epilogue other than store

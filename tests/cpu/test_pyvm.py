@@ -9,6 +9,7 @@ import pytest
 
 from assembler.graph import mtp_graph, verify_graph
 from assembler.isa import Opcode
+from assembler.isa import local_reduce as local_reduce_flag
 from assembler.pyvm import VM, VMError
 from assembler.ref.model import ReferenceModel
 from assembler.scheduler import schedule
@@ -53,11 +54,14 @@ def same_state(a, b, cfg):
     assert a.pos == b.pos
 
 
-def run_sequence(w, exp, sms, orders, fuse_reduce=True, defer_reduce=False):
+def run_sequence(w, exp, sms, orders, fuse_reduce=True, defer_reduce=False, local_reduce=True):
     cfg = w.config
     st = exp["start"].copy()
-    vms = {m: VM(schedule(verify_graph(cfg, m, defer_reduce=defer_reduce), sms, fuse_reduce=fuse_reduce), w, CACHE)
+    vms = {m: VM(schedule(verify_graph(cfg, m, defer_reduce=defer_reduce), sms, fuse_reduce=fuse_reduce,
+                          local_reduce=local_reduce), w, CACHE)
            for m in (1, 3)}
+    if local_reduce and sms > 1:  # the in-projections reduce on their own instructions (isa.py LOCAL_REDUCE)
+        assert any(local_reduce_flag(i) for v in vms.values() for l in v.p.sm_lists for i in l)
     for (ids, logits, st_ref), (order, seed) in zip(exp["steps"], orders):
         got, nxt = vms[len(ids)].run_step(st, ids, order=order, seed=seed)
         assert np.array_equal(got.view(np.uint16), logits.view(np.uint16)), f"logits differ (sms={sms}, {order})"
@@ -91,6 +95,16 @@ def test_vm_deferred_reduce(ref, expected, sms, fuse_reduce):
     seed = int(np.random.default_rng().integers(0, 1 << 30))
     run_sequence(ref[0], expected, sms, [("rr", 0), ("random", seed), ("random", seed + 1)], fuse_reduce=fuse_reduce,
                  defer_reduce=True)
+
+
+@pytest.mark.parametrize("sms", [7, 132])
+@pytest.mark.parametrize("defer_reduce", [False, True])
+def test_vm_local_reduce_off(ref, expected, sms, defer_reduce):
+    """The split-K in-projections as GEMV partials + GEMV_REDUCE stages (local_reduce=False) and, in every other
+    test here, reduced on their own instructions (the default): both bit-identical to the reference."""
+    seed = int(np.random.default_rng().integers(0, 1 << 30))
+    run_sequence(ref[0], expected, sms, [("rr", 0), ("random", seed), ("random", seed + 1)], fuse_reduce=False,
+                 defer_reduce=defer_reduce, local_reduce=False)
 
 
 @pytest.mark.slow

@@ -27,6 +27,13 @@ def _fused(prog) -> bool:
     return not any(i.opcode == Opcode.GEMV_REDUCE for l in prog.sm_lists for i in l)
 
 
+def _local(prog, op) -> bool:
+    """The op's split-K segments reduce on their own instructions (isa.py LOCAL_REDUCE): no reduce stage."""
+    from assembler.isa import local_reduce
+    oi = prog.graph.ops.index(op)
+    return any(local_reduce(i) for l in prog.sm_lists for i in l if i.op == oi)
+
+
 def test_partition_tiles_every_op_once(prog):
     g = prog.graph
     for op in g.ops:
@@ -36,7 +43,7 @@ def test_partition_tiles_every_op_once(prog):
                 for sm, r0, r1, s, seg in prog.slices(op.name, stage):
                     cover.setdefault((seg, s), []).append((r0, r1))
                 want = {(i, s) for i, sg in enumerate(op.segments)
-                        if stage == "main" or (sg.split > 1 and not _fused(prog))
+                        if stage == "main" or (sg.split > 1 and not _fused(prog) and not _local(prog, op))
                         for s in (range(sg.split) if stage == "main" else [0])}
                 assert set(cover) == want, (op.name, stage)
                 for (seg, s), rr in cover.items():
@@ -103,12 +110,13 @@ def test_fused_reduce_program(prog):
     """fuse_reduce: every split-K GEMV carries FUSE_REDUCE and bumps its op's ``out`` counter, no GEMV_REDUCE and no
     ``part`` counter exist, and every consumer of a fused op's output waits on that counter for all of the op's
     GEMV instructions of the group. fuse_reduce=False: no GEMV carries the flag."""
-    from assembler.isa import FUSE_REDUCE, fused_reduce
+    from assembler.isa import FUSE_REDUCE, fused_reduce, local_reduce
     gemv = [i for l in prog.sm_lists for i in l if i.opcode == Opcode.GEMV]
     if not _fused(prog):
         assert not any(i.sub & FUSE_REDUCE for i in gemv)
         return
-    assert all(fused_reduce(i) == (i.nsplit > 1) for i in gemv)
+    # the in-projections reduce on their own instructions (LOCAL_REDUCE) in either program
+    assert all(fused_reduce(i) == (i.nsplit > 1 and not local_reduce(i)) for i in gemv)
     assert not any(c.stage == "part" for c in prog.counters)
     fused_ctr = {i.bump for i in gemv if fused_reduce(i)}
     assert fused_ctr and all(prog.counters[c].stage == "out" for c in fused_ctr)
@@ -163,6 +171,47 @@ def test_bytes_balanced_27b_subset():
     new_st, old_st = p.stats(), old.stats()
     assert new_st["est_step_ms"] < 0.97 * old_st["est_step_ms"], (new_st, old_st)
     assert new_st["est_step_ms"] > new_st["est_critical_path_ms"]
+
+
+def test_local_reduce_in_projections_27b():
+    """Session 9: on 132 SMs the 27B's split-K in-projections (GDN q|k|v|z, S = 2; attention q|k|v, S = 4) are cut
+    into whole tiles whose splits one instruction computes and reduces itself (isa.py LOCAL_REDUCE): no GEMV_REDUCE
+    stage for them, every tile's rows covered once, the busiest SM no heavier than the split cut's (× LOCAL_SLACK);
+    the out / o / down projections (320 tiles: 2-3 whole tiles per SM would unbalance them) and gate|up keep their
+    cut. local_reduce=False gives the session-8 program (GEMV_REDUCE stages for the in-projections)."""
+    from assembler.isa import local_reduce
+    from assembler.scheduler import LOCAL_SLACK, local_candidate
+    g = decode_graph(preset("qwen3.5-27b"), layer_limit=4)
+    p, q = schedule(g, 132, fuse_reduce=False), schedule(g, 132, fuse_reduce=False, local_reduce=False)
+    ins = [i for l in p.sm_lists for i in l]
+    for name in ("L0.in", "L3.in"):
+        oi = [k for k, o in enumerate(g.ops) if o.name == name][0]
+        assert local_candidate(g.ops[oi])
+        mine = [i for i in ins if i.op == oi]
+        assert mine and all(local_reduce(i) and i.opcode == Opcode.GEMV and i.buf3 == -1 and i.split == 0 for i in mine)
+        for si, seg in enumerate(g.ops[oi].segments):
+            rows = sorted((i.row_start, i.row_end) for i in mine if p.weight_segment[i.w0][1] == si)
+            assert rows[0][0] == 0 and rows[-1][1] == seg.n_out and all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
+        assert any(i.op == oi and i.opcode == Opcode.GEMV_REDUCE for l in q.sm_lists for i in l)
+        assert not any(local_reduce(i) for l in q.sm_lists for i in l)
+    for name in ("L0.out", "L0.gateup", "L0.down", "L3.out"):
+        assert not any(local_reduce(i) for i in ins if g.ops[i.op].name == name)
+    bal, old = _gemv_op_balance(p), _gemv_op_balance(q)
+    assert bal[("L0.in", Opcode.GEMV)][0] <= LOCAL_SLACK * old[("L0.in", Opcode.GEMV)][0] + 1e-9, (bal, old)
+    assert ("L0.in", Opcode.GEMV_REDUCE) not in bal and ("L0.in", Opcode.GEMV_REDUCE) in old
+    # the MTP fc (S = 8 over 320 tiles) is a candidate, but whole tiles would load 3 on some SMs for 2.4: not local
+    m = schedule(mtp_graph(preset("qwen3.5-27b")), 132, fuse_reduce=False)
+    assert local_candidate(m.graph.op("mtp.fc"))
+    assert not any(local_reduce(i) for l in m.sm_lists for i in l if m.graph.ops[i.op].name == "mtp.fc")
+
+
+def test_local_reduce_word():
+    from assembler.isa import Instruction, local_reduce, sub_parts, sub_word
+    w = sub_word("rmsnorm", "store", local_reduce=True)
+    assert sub_parts(w) == ("rmsnorm", "store")
+    assert local_reduce(Instruction(Opcode.GEMV, sub=w, nsplit=2)) and not local_reduce(Instruction(Opcode.GEMV, sub=w))
+    with pytest.raises(ValueError, match="exclude"):
+        sub_word("none", "store", fuse_reduce=True, local_reduce=True)
 
 
 @pytest.mark.slow

@@ -68,20 +68,27 @@ def _tokens(rng, m):
     return rng.integers(0, 248000, size=m).astype(np.int32)
 
 
-@pytest.mark.parametrize("defer_reduce", [True, False], ids=["defer", "no_defer"])
+@pytest.mark.parametrize("defer_reduce,local_reduce", [(True, True), (False, True), (True, False)],
+                         ids=["defer", "no_defer", "no_local"])
 @pytest.mark.parametrize("fuse_reduce", [True, False], ids=["fused_reduce", "reduce_instr"])
 @pytest.mark.parametrize("gdn_split", [1, 3], ids=["program", "gdn_split3"])
-def test_m1_greedy_64_steps_bit_identical(gpu, weights, gdn_split, fuse_reduce, defer_reduce):
+def test_m1_greedy_64_steps_bit_identical(gpu, weights, gdn_split, fuse_reduce, defer_reduce, local_reduce):
     """Greedy decode: A replays the graph, B runs one megakernel launch per step; both feed back their own
     argmax (the finish stage), so any difference anywhere propagates. gdn_split3: each GDN_STEP's value heads
     spread over 3 SMs (runner.split_gdn). fused_reduce: the split-K reduce done by each tile's last arriving GEMV
     warp; reduce_instr (the runner's default): GEMV_REDUCE instructions. defer (the runner's default): the out / o
-    / down reduces rebuilt in the next GEMV's prologue (isa.py reduce_rmsnorm), no instruction of their own. The
-    fused reduce's tile arrival counters must be back at 0 after every step (the last arrival resets them)."""
-    a, b, mk = _pair(weights, 1, gdn_split=gdn_split, fuse_reduce=fuse_reduce, defer_reduce=defer_reduce)
-    assert any(i.opcode == Opcode.GEMV_REDUCE for l in mk.program.sm_lists for i in l) != fuse_reduce
-    assert any(i.opcode == Opcode.GEMV and sub_parts(i.sub)[0] == "reduce_rmsnorm" for l in mk.program.sm_lists
-               for i in l) == defer_reduce
+    / down reduces rebuilt in the next GEMV's prologue (isa.py reduce_rmsnorm), no instruction of their own;
+    local (the default; no_local: off): the in-projections reduced on their own instructions (isa.py
+    LOCAL_REDUCE). The fused reduce's tile arrival counters must be back at 0 after every step (the last arrival
+    resets them). The ARGMAX takes the head's per-SM best keys (isa.py ARGMAX_KEYS) in every case."""
+    from assembler.isa import ARGMAX_KEYS, local_reduce as is_local
+    a, b, mk = _pair(weights, 1, gdn_split=gdn_split, fuse_reduce=fuse_reduce, defer_reduce=defer_reduce,
+                     local_reduce=local_reduce)
+    ins = [i for l in mk.program.sm_lists for i in l]
+    assert any(i.opcode == Opcode.GEMV_REDUCE for i in ins) != fuse_reduce
+    assert any(i.opcode == Opcode.GEMV and sub_parts(i.sub)[0] == "reduce_rmsnorm" for i in ins) == defer_reduce
+    assert any(is_local(i) for i in ins) == local_reduce
+    assert any(i.opcode == Opcode.ARGMAX and i.sub & ARGMAX_KEYS for i in ins)
     for s in (a, b):
         s.reset(0, [1234])
     a.capture()
@@ -97,13 +104,17 @@ def test_m1_greedy_64_steps_bit_identical(gpu, weights, gdn_split, fuse_reduce, 
     assert mk.arrivals_pending() == 0, "a fused-reduce tile arrival counter was left nonzero"
 
 
-@pytest.mark.parametrize("m,defer", [(2, None), (3, None), (4, None), (5, None), (6, None), (7, None), (8, None),
-                                     (3, True)], ids=["2", "3", "4", "5", "6", "7", "8", "3-defer"])
-def test_m_rows_teacher_forced_bit_identical(gpu, weights, m, defer):
+@pytest.mark.parametrize("m,defer,local", [(2, None, True), (3, None, True), (4, None, True), (5, None, True),
+                                           (6, None, True), (7, None, True), (8, None, True), (3, True, True),
+                                           (3, None, False)],
+                         ids=["2", "3", "4", "5", "6", "7", "8", "3-defer", "3-no_local"])
+def test_m_rows_teacher_forced_bit_identical(gpu, weights, m, defer, local):
     """M rows per step (verify / short prefill form) with host-written tokens, 64 consecutive steps. The runner
-    defers the residual reduces only for 1-row steps; 3-defer runs the deferred program at M = 3 too."""
+    defers the residual reduces only for 1-row steps; 3-defer runs the deferred program at M = 3 too; the
+    in-projections reduce on their own instructions (LOCAL_REDUCE) except in 3-no_local. An M-row ARGMAX scans
+    the logits (the per-SM keys are a 1-row shortcut)."""
     rng = np.random.default_rng(100 + m)
-    a, b, mk = _pair(weights, m, defer_reduce=defer)
+    a, b, mk = _pair(weights, m, defer_reduce=defer, local_reduce=local)
     a.capture()
     for k in range(STEPS):
         t = _tokens(rng, m)
