@@ -459,7 +459,9 @@ __device__ void mk_argmax(const MkParams& P, const int* w, MkSmemTail& sm, uint3
 #endif
 #define MK_GDN_MR (QMK_MK_GDN_MR > 0 ? QMK_MK_GDN_MR : (QMK_MK_M1 ? 1 : QMK_MAX_ROWS))
 #ifndef QMK_MK_GDN_STATE_PREFETCH
-#define QMK_MK_GDN_STATE_PREFETCH 1  // 1: a GDN step copies its first value head's state to shared memory before its wait
+// 1: a GDN step copies its first value head's state to shared memory before its wait. Measured slower (session 9,
+// bench.probes.mk_variants, 3 rounds: 11.91-11.96 ms/token on vs 11.79-11.80 off), so off by default.
+#define QMK_MK_GDN_STATE_PREFETCH 0
 #endif
 #define MK_GDN_STATE_BYTES (QMK_GDN_DV * QMK_GDN_DK * 4)
 #define MK_GDN_PREFETCH (QMK_MK_GDN_STATE_PREFETCH && MK_WARPS * QMK_MK_RING * QMK_GEMV_UNIT_BYTES >= MK_GDN_STATE_BYTES)

@@ -48,7 +48,7 @@ def variants() -> list[tuple[str, bool, dict]]:
         # head's per-SM best keys for the ARGMAX, the GDN state copied to shared memory before the step's wait
         ("no_local", False, {"_local_reduce": 0}),
         ("no_keys", False, {"QMK_MK_KEYS": 0}),
-        ("no_gdn_state_prefetch", False, {"QMK_MK_GDN_STATE_PREFETCH": 0}),
+        ("gdn_state_prefetch", False, {"QMK_MK_GDN_STATE_PREFETCH": 1}),  # rejected: +0.15 ms (docs/megakernel.md)
         # session 8: the counter protocol (sync.cuh, mk_wait_all); the default is fence 0, acquire polls, no sleep
         ("sync_s7", False, {"QMK_MK_BUMP_FENCE": 1, "QMK_MK_POLL_ACQUIRE": 0, "QMK_MK_SPIN_NS": 32}),
         ("bump_fence", False, {"QMK_MK_BUMP_FENCE": 1}),
