@@ -33,12 +33,14 @@ STAGE_OPCODES = {"main": {Opcode.EMBED, Opcode.GEMV, Opcode.GDN_STEP, Opcode.ATT
 HBM_BYTES_PER_S = 4468e9  # measured, shared/spec/h200.md
 # est_step_ms's instruction costs, measured on the H200 (megakernel timing build at 1dc80fb, 27B, context 1024,
 # bench/results/megakernel_timings.json; docs/megakernel.md session 7; fixed cost and GDN re-measured at 324d226,
-# session 8: acquire polls, no fence before the bump, the chunked RMSNorm):
-MK_FIXED_S = 1.67e-6   # any instruction: wait, barrier, bump (NOP program 0.835 ms over the longest SM's ~500)
+# session 8: acquire polls, no fence before the bump, the chunked RMSNorm; GDN re-measured at ba99afc, session 9):
+MK_FIXED_S = 1.67e-6   # any instruction: wait, barrier, bump (NOP program 0.835 ms over the longest SM's ~500;
+                       # session 9: 0.546 ms over 321, 1.70 µs)
 MK_KBLOCK_S = 0.75e-6  # one warp's 16-row K-block, serially (in-projection instructions of 8 tiles × 20: ≈ 17 µs)
 MK_GEMV_EFF = 0.72     # GEMV instructions' streaming rate / the SM's share of HBM_BYTES_PER_S (measured 69-75 %)
 MK_WARPS = 16          # GEMV tiles in flight per instruction (one per warp)
-MK_OP_S = {Opcode.GDN_STEP: 17e-6,      # per value head (48 per layer, one SM each; median 17.0 µs measured)
+MK_OP_S = {Opcode.GDN_STEP: 14.8e-6,    # per value head (48 per layer, one SM each; median 13.2-14.3 µs, 17.4-19.0
+                                        # in the 12 layers after an attention layer or the head: mean 14.8, session 9)
            Opcode.ATTN_PREP: 8.3e-6, Opcode.ATTN_SCORES: 12.9e-6, Opcode.ATTN_VALUES: 13.8e-6,
            Opcode.ATTN_REDUCE: 4.3e-6}  # per instruction at 1k context
 ARENA_ALIGN = 256

@@ -3,7 +3,8 @@
 # lent H200 (the device tool sets $OUT). Each tool's summary goes to $OUT/sanitize_<tool>_<what>.txt.
 # Usage: bash scripts/sanitize.sh [memcheck-mk|memcheck-step|racecheck-mk|synccheck-mk|memcheck-gemv|racecheck-gemv|
 #        memcheck-mixers|racecheck-mixers ...]
-# (default: the four megakernel / step runs, ≤ 8 min; each run is time-boxed). The *-gemv runs cover the M = 1 GEMV
+# (default: the four megakernel / step runs, each time-boxed: 150 + 70 + 420 + 100 s, more than one 600 s device
+# call, so give racecheck-mk a call of its own). The *-gemv runs cover the M = 1 GEMV
 # kernels (cp.async ring, register tile, TMA ring: mbarriers, async-proxy shared-memory writes) on the tiny shapes;
 # the *-mixers runs the GDN step and the four attention kernels on the tiny shapes.
 set -uo pipefail
@@ -26,7 +27,9 @@ for r in "${runs[@]}"; do
     memcheck-mk) san memcheck megakernel 150 tests/gpu/test_megakernel.py \
         -k "test_m1_greedy_64_steps_bit_identical or test_m_rows_teacher_forced_bit_identical[3]" ;;
     memcheck-step) san memcheck step 70 tests/gpu/test_step.py -k "test_rows_bit_identical_to_single" ;;
-    racecheck-mk) san racecheck megakernel 150 tests/gpu/test_megakernel.py -k "test_m1_greedy_64_steps_bit_identical" ;;
+    # the default (reduce_instr) program's 6 variants, ≈ 35 s each under racecheck (all 12 outran a 150 s box, session 9)
+    racecheck-mk) san racecheck megakernel 420 tests/gpu/test_megakernel.py \
+        -k "test_m1_greedy_64_steps_bit_identical and reduce_instr" ;;
     synccheck-mk) san synccheck megakernel 100 tests/gpu/test_megakernel.py \
         -k "test_m1_greedy_64_steps_bit_identical and program" ;;
     memcheck-gemv) san memcheck gemv 120 tests/gpu/test_gemv.py -k "test_m1_kernels_bit_identical and tiny" ;;
