@@ -174,8 +174,9 @@ class Program:
             seg = self.graph.ops[ins.op].segments[self.weight_segment[ins.w0][1]]
             tiles = -(-(ins.row_end - ins.row_start) // 16)
             kb = (seg.k // 128) // max(1, seg.split) * (2 if seg.epilogue == "swiglu" else 1)
-            tasks = tiles * ins.nsplit if local_reduce(ins) else tiles  # local: a warp per (tile, split)
-            serial = -(-tasks // MK_WARPS) * kb * MK_KBLOCK_S
+            # local: rounds of MK_WARPS // S tiles, a warp per (tile, split)
+            per_round = max(1, MK_WARPS // ins.nsplit) if local_reduce(ins) else MK_WARPS
+            serial = -(-tiles // per_round) * kb * MK_KBLOCK_S
             return max(nbytes / (per_sm_bw * MK_GEMV_EFF), serial) + MK_FIXED_S
         base = MK_OP_S.get(ins.opcode, 0.0)
         if ins.opcode == Opcode.GDN_STEP:

@@ -213,8 +213,9 @@ class VM:
             self._b(ins.buf5)[:] = x
         F, r0, r1 = w.shape[0] // 2, ins.row_start, ins.row_end
         if local_reduce(ins):  # every split of the rows here, reduced at once (as GEMV partials + GEMV_REDUCE)
-            if epi == "swiglu":
-                raise VMError(f"{self.g.ops[ins.op].name}: a local-reduce GEMV has a store/residual epilogue")
+            if epi != "store" or not 2 <= ins.nsplit <= 16:  # what the kernel runs (else its error 6)
+                raise VMError(f"{self.g.ops[ins.op].name}: a local-reduce GEMV needs a store epilogue and 2..16 "
+                              f"splits, got {epi} and {ins.nsplit}")
             P = np.stack([ops.gemv_partial(w, sc, x, slice(r0, r1), ins.nsplit, s) for s in range(ins.nsplit)])
             self._epilogue(ins, P, None)
             return

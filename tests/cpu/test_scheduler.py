@@ -205,6 +205,22 @@ def test_local_reduce_in_projections_27b():
     assert not any(local_reduce(i) for l in m.sm_lists for i in l if m.graph.ops[i.op].name == "mtp.fc")
 
 
+@pytest.mark.parametrize("name,sms", [("tiny", 7), ("tiny", 132), ("qwen3.5-27b", 132)])
+def test_argmax_keys_flags(name, sms):
+    """isa.py ARGMAX_KEYS: the ARGMAX carries it exactly when every GEMV instruction of the head (the op whose
+    output it reads: one store segment, split 1) does, and no other instruction does (a head slice without it would
+    leave its SM's slot stale, and its best id would be missed)."""
+    from assembler.isa import ARGMAX_KEYS
+    g = decode_graph(preset(name), layer_limit=2 if name != "tiny" else None)
+    p = schedule(g, sms, fuse_reduce=False)
+    ins = [i for l in p.sm_lists for i in l]
+    head = g.ops.index(g.op("head"))
+    am = [i for i in ins if i.opcode == Opcode.ARGMAX]
+    assert len(am) == 1 and am[0].sub & ARGMAX_KEYS
+    assert all(bool(i.sub & ARGMAX_KEYS) == (i.op == head) for i in ins if i.opcode != Opcode.ARGMAX)
+    assert sum(1 for i in ins if i.op == head) >= 1
+
+
 def test_local_reduce_word():
     from assembler.isa import Instruction, local_reduce, sub_parts, sub_word
     w = sub_word("rmsnorm", "store", local_reduce=True)

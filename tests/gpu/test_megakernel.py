@@ -125,6 +125,62 @@ def test_m_rows_teacher_forced_bit_identical(gpu, weights, m, defer, local):
         assert bad is None, f"m={m} step {k}: {bad}"
 
 
+@pytest.mark.parametrize("sms", [7, 13])
+@pytest.mark.parametrize("m", [1, 3])
+def test_few_sms_local_rounds_bit_identical(gpu, weights, sms, m):
+    """The default program on 7 / 13 SMs: the local-reduce in-projections (isa.py LOCAL_REDUCE) then hold several
+    tiles per instruction and run several rounds of 16 / S tiles (on 132 SMs the tiny preset gives each one tile),
+    so the round offsets, the shared-memory partial stride and the first-task weight prefetch are exercised; greedy
+    (M = 1) or teacher-forced (M = 3) steps stay bit-identical to the graph path."""
+    from assembler.isa import local_reduce as is_local
+    rng = np.random.default_rng(7 * sms + m)
+    a, b, mk = _pair(weights, m, num_sms=sms)
+    loc = [i for l in mk.program.sm_lists for i in l if is_local(i)]
+    assert loc and max((i.row_end - i.row_start) // 16 for i in loc) > 16 // max(i.nsplit for i in loc), \
+        "no local-reduce instruction with more than one round"
+    for s in (a, b):
+        s.reset(0, [4321] * m)
+    a.capture()
+    for k in range(min(STEPS, 16)):
+        t = _tokens(rng, m) if m > 1 else None
+        a.replay(t)
+        mk.step(t)
+        _done(mk)
+        bad = first_mismatch(a, b, mk, m)
+        assert bad is None, f"sms={sms} m={m} step {k}: {bad}"
+
+
+def test_argmax_key_slots(gpu, weights):
+    """isa.py ARGMAX_KEYS: a slot left by an earlier step is ignored (a huge key planted with the previous step's
+    number changes nothing), and a head instruction merges its key into a slot already written in the same step (a
+    huge key planted with the coming step's number wins the ARGMAX) — the two paths the 132-SM program, where every SM
+    runs one head instruction, never takes on its own."""
+    a, b, mk = _pair(weights, 1)
+    for s in (a, b):
+        s.reset(0, [1234])
+    a.capture()
+    planted = 12345
+    key = (0xFF00 << 32) | (0xFFFFFFFF - planted)  # bf16 0x7F00 (≈ 1.7e38): above any logit of the model
+
+    def plant(step):
+        mk.d_keys[5] = cp.asarray(np.array([key, step], np.uint64))
+        cp.cuda.Device().synchronize()
+
+    a.replay()
+    mk.step()
+    _done(mk)
+    assert first_mismatch(a, b, mk, 1) is None
+    plant(mk.steps_done)  # the step just run: stale for the next one
+    a.replay()
+    mk.step()
+    _done(mk)
+    assert first_mismatch(a, b, mk, 1) is None, "a stale key slot changed the ARGMAX"
+    plant(mk.steps_done + 1)  # the coming step: merged with SM 5's own key, and the biggest of all
+    mk.step()
+    _done(mk)
+    assert int(b.head_bufs["ids"][:1].get()[0]) == planted, "a key already in the slot this step was dropped"
+
+
 def test_one_launch_many_steps(gpu, weights):
     """run_steps(n): n greedy steps inside one launch equal n graph replays (state, KV, last step's buffers)."""
     a, b, mk = _pair(weights, 1)
