@@ -274,17 +274,24 @@ class _Builder:
         if op.reduce_in:  # the norm input rebuilt from a deferred reduce (graph.defer_reduces): isa.py GEMV
             part, src_split, resid = op.reduce_in
             pro, src2, src_resid = "reduce_rmsnorm", bid[part], bid[resid]
-        local = False
+        local, main_cut = False, None  # main_cut: the main stage's (units, SMs) when the local decision made it
         if self.local and local_candidate(op):
             lu, su = _gemv_units(op, False, True), _gemv_units(op, False)
             lsms, ssms = self._assign(lu), self._assign(su)
             local = _max_share(lsms, lu, self.n) <= LOCAL_SLACK * _max_share(ssms, su, self.n)
+            main_cut = (lu, lsms) if local else (su, ssms)
+        # the GEMV instructions of the head (the op an argmax reads) keep per-SM best keys (isa.py ARGMAX_KEYS)
+        keyed = {s.out for s in op.segments if any(o.kind == "argmax" and s.out in o.reads for o in self.g.ops)
+                 and self._keys_source(s.out) == oi}
         for reduce in ((False,) if self.fuse or local else (False, True)):
-            units = _gemv_units(op, reduce, local)
+            if main_cut is not None and not reduce:
+                units, sms = main_cut  # nothing was emitted since: the same cut
+            else:
+                units = _gemv_units(op, reduce, local)
+                sms = self._assign(units) if len(units) else None
             if not len(units):
                 continue
             self.stage += 1
-            sms = self._assign(units)
             runs = _runs(units, sms)
             K = self.g.buffers[op.norm[0]].shape[-1] if op.reduce_in else 0
             K8 = K // 8
@@ -304,8 +311,7 @@ class _Builder:
                          buf3=bid[seg.partials] if seg.partials and not local else -1, buf4=src2 if main else -1,
                          w0=self.weight(seg.parts, (oi, si)), w1=w1 if main else -1, op=oi,
                          buf5=bid[op.norm_out] if op.norm_out and main and a == 0 else -1)
-                if main and seg.split == 1 and any(o.kind == "argmax" and seg.out in o.reads for o in self.g.ops) \
-                        and self._keys_source(seg.out) == oi:
+                if main and seg.out in keyed:
                     f["sub"] |= ARGMAX_KEYS  # the head: per-SM best keys for the ARGMAX
                 if op.reduce_in and main:  # this slice's share of the rebuilt input: multiples of 8 columns,
                     last = ri == len(runs) - 1  # the last share to K whatever K is

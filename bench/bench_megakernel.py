@@ -83,31 +83,22 @@ def main(argv: list[str] | None = None) -> int:
     g_ms = events_ms(ga.stream, lambda: [ga.replay() for _ in range(N)], N)
     res.append({"name": "graph_step", "shape": shape, "correct": True, "ms": g_ms, **bandwidth(nbytes, g_ms)})
     save = lambda: result_file("megakernel", res, meta, a.out)  # noqa: E731  (after every row: a hang keeps the rest)
-    mk.run_steps(2)
-    m_ms = events_ms(gb.stream, lambda: mk.run_steps(N), N)
-    mk.check()
-    res.append({"name": "megakernel_step_one_launch", "shape": shape, "correct": True, "ms": m_ms, **bandwidth(nbytes, m_ms)})
-    save()
-    mk3.run_steps(2)
-    s_ms = events_ms(gb.stream, lambda: mk3.run_steps(N), N)
-    mk3.check()
-    res.append({"name": "megakernel_step_one_launch_gdn_split1", "shape": shape, "correct": True, "ms": s_ms,
-                **bandwidth(nbytes, s_ms)})
-    save()
-    mkr.run_steps(2)
-    r_ms = events_ms(gb.stream, lambda: mkr.run_steps(N), N)
-    mkr.check()
-    res.append({"name": f"megakernel_step_one_launch_{rname}", "shape": shape, "correct": True, "ms": r_ms,
-                **bandwidth(nbytes, r_ms), "note": f"fuse_reduce={mkr.fuse_reduce} (the default program's other "
-                "split-K reduce: in the GEMV instructions / as GEMV_REDUCE instructions)"})
-    save()
-    mkd.run_steps(2)
-    d_ms = events_ms(gb.stream, lambda: mkd.run_steps(N), N)
-    mkd.check()
-    res.append({"name": f"megakernel_step_one_launch_{dname}", "shape": shape, "correct": True, "ms": d_ms,
-                **bandwidth(nbytes, d_ms), "note": f"defer_reduce={mkd.defer_reduce} (the out / o / down split-K "
-                "reduces in the consumers' prologues / as GEMV_REDUCE instructions)"})
-    save()
+    def one_launch(m, suffix: str, **note) -> float:
+        """N steps of ``m`` in one launch (after 2 warm-up steps), recorded as megakernel_step_one_launch<suffix>."""
+        m.run_steps(2)
+        ms = events_ms(gb.stream, lambda: m.run_steps(N), N)
+        m.check()
+        res.append({"name": f"megakernel_step_one_launch{suffix}", "shape": shape, "correct": True, "ms": ms,
+                    **bandwidth(nbytes, ms), **note})
+        save()
+        return ms
+
+    one_launch(mk, "")
+    one_launch(mk3, "_gdn_split1")
+    one_launch(mkr, f"_{rname}", note=f"fuse_reduce={mkr.fuse_reduce} (the default program's other "
+               "split-K reduce: in the GEMV instructions / as GEMV_REDUCE instructions)")
+    one_launch(mkd, f"_{dname}", note=f"defer_reduce={mkd.defer_reduce} (the out / o / down split-K "
+               "reduces in the consumers' prologues / as GEMV_REDUCE instructions)")
     l_ms = events_ms(gb.stream, lambda: [mk.step() for _ in range(N)], N)
     mk.check()
     res.append({"name": "megakernel_step_per_launch", "shape": shape, "correct": True, "ms": l_ms, **bandwidth(nbytes, l_ms)})
