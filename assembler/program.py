@@ -36,8 +36,13 @@ HBM_BYTES_PER_S = 4468e9  # measured, shared/spec/h200.md
 # session 8: acquire polls, no fence before the bump, the chunked RMSNorm; GDN re-measured at ba99afc, session 9):
 MK_FIXED_S = 1.67e-6   # any instruction: wait, barrier, bump (NOP program 0.835 ms over the longest SM's ~500;
                        # session 9: 0.546 ms over 321, 1.70 µs)
-MK_KBLOCK_S = 0.75e-6  # one warp's 16-row K-block, serially (in-projection instructions of 8 tiles × 20: ≈ 17 µs)
-MK_GEMV_EFF = 0.72     # GEMV instructions' streaming rate / the SM's share of HBM_BYTES_PER_S (measured 69-75 %)
+# GEMV: refitted in session 10 to every GEMV instruction of the ba99afc timing build (bench/probes/est_fit.py,
+# rms relative error 7 %; before: one rate 0.72 and a K-block 0.75 µs, which made gate|up bound by one warp's
+# serial K-blocks, so its 9-pair SMs ended with its 8-pair SMs — measured 65.2 vs 57.0 µs, fit 67.5 vs 60.7)
+MK_KBLOCK_S = 0.30e-6  # one warp's 16-row K-block, serially (the fit's lower bound: no class is bound by it)
+MK_GEMV_EFF = 0.71     # fp8 GEMV instructions' streaming rate / the SM's share of HBM_BYTES_PER_S
+MK_GEMV_EFF_BF16 = 0.99  # bf16 (the lm_head: 32.6 GB/s per SM measured, the DRAM's whole rate on 132 SMs)
+MK_PRO_S = {"reduce_rmsnorm": 4.5e-6, "rmsnorm": 1.0e-6}  # the prologue: deferred-input rebuild + norm, or norm
 MK_WARPS = 16          # GEMV tiles in flight per instruction (one per warp)
 MK_OP_S = {Opcode.GDN_STEP: 14.8e-6,    # per value head (48 per layer, one SM each; median 13.2-14.3 µs, 17.4-19.0
                                         # in the 12 layers after an attention layer or the head: mean 14.8, session 9)
@@ -177,7 +182,8 @@ class Program:
             # local: rounds of MK_WARPS // S tiles, a warp per (tile, split)
             per_round = max(1, MK_WARPS // ins.nsplit) if local_reduce(ins) else MK_WARPS
             serial = -(-tiles // per_round) * kb * MK_KBLOCK_S
-            return max(nbytes / (per_sm_bw * MK_GEMV_EFF), serial) + MK_FIXED_S
+            eff = MK_GEMV_EFF if seg.fp8 else MK_GEMV_EFF_BF16
+            return max(nbytes / (per_sm_bw * eff), serial) + MK_PRO_S.get(sub_parts(ins.sub)[0], 0.0) + MK_FIXED_S
         base = MK_OP_S.get(ins.opcode, 0.0)
         if ins.opcode == Opcode.GDN_STEP:
             heads = (ins.row_end - ins.row_start) * self.graph.cfg.gdn_head_group
