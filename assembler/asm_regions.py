@@ -23,7 +23,7 @@ history (:func:`history_reads`, checked across steps).
 from __future__ import annotations
 
 from assembler.isa import Instruction, Opcode, fused_reduce, local_reduce, sub_parts, sub_src_split
-from assembler.numerics import attn_partitions
+from assembler.numerics import K_BLOCK, attn_partitions, split_blocks
 
 
 def _buf(prog, name: str) -> int:
@@ -59,6 +59,13 @@ def regions(prog, ins: Instruction) -> tuple[list, list, list]:
             reads += [(ins.buf4, s * K, (s + 1) * K) for s in range(S)] + [(ins.buf2, 0, W(ins.buf2))]
             if ins.aux1 > ins.aux0:
                 writes.append((ins.buf0, ins.aux0, ins.aux1))
+        elif g.split_reads and ins.opcode == Opcode.GEMV and pro == "none" and ins.nsplit > 1 \
+                and not local_reduce(ins):
+            # split s streams K-blocks [s·per, (s+1)·per) of weight and input alike (megakernel.cu mk_gemv,
+            # gemv.cuh qmk_gemv_load_x): only its split's columns of x (graph.split_reads; without it the whole
+            # row, a superset: safe, and every program the H200 ran so far keeps its words)
+            kb = split_blocks(W(ins.buf0), ins.nsplit, ins.split)
+            reads.append((ins.buf0, kb.start * K_BLOCK, kb.stop * K_BLOCK))
         elif ins.opcode == Opcode.GEMV:
             srcs = [b for b in (ins.buf0, ins.buf4) if b >= 0]
             reads += [(b, 0, W(b)) for b in srcs]

@@ -101,6 +101,9 @@ class Graph:
     kind: str
     ops: list[Op] = field(default_factory=list)
     buffers: dict[str, Buffer] = field(default_factory=dict)
+    # a split-K GEMV without prologue reads only its split's K columns (asm_regions), so its waits name only the
+    # producers of those columns; set with mlp_groups, whose down splits need it (False: the whole row)
+    split_reads: bool = False
 
     def buf(self, name: str, shape, dtype: str, kind: str = "act") -> str:
         if name in self.buffers:
@@ -209,17 +212,39 @@ def _gdn_layer(g: Graph, i: int, x: str, x_mid: str) -> None:
     _gemv(g, f"L{i}.out", i, o, (), segs)
 
 
-def _mlp(g: Graph, i: int, x_mid: str, x_next: str) -> None:
+DEFAULT_MLP_GROUPS = False  # verify_graph's mlp_groups when not given (not yet measured on the H200: off)
+
+
+def mlp_group_rows(cfg: ModelConfig) -> list[tuple[int, int]] | None:
+    """gate|up output rows per down-projection split — [(j·F/S, (j+1)·F/S)] for the down's split-K S: the act
+    columns split j of the down reads — or None when the down is not split-K or F/S is not a whole number of
+    16-row tiles."""
+    F = cfg.intermediate_size
+    S = split_k(cfg.hidden_size, F)
+    if S < 2 or F % (S * ROW_TILE):
+        return None
+    return [(j * F // S, (j + 1) * F // S) for j in range(S)]
+
+
+def _mlp(g: Graph, i: int, x_mid: str, x_next: str, mlp_groups: bool = False) -> None:
+    """gate|up (SwiGLU epilogue) then down (residual). ``mlp_groups``: gate|up's output rows in one group per down
+    split (``mlp_group_rows``), each its own counter, so down split j waits only for the gate|up instructions
+    that wrote its K columns (a split-K GEMV reads only its split's columns: asm_regions) and the splits whose
+    group ends first start first (the scheduler's ready-time cut, docs/megakernel.md session 10)."""
     cfg, m, p = g.cfg, g.m, layer_prefix(g.cfg, i)
     act = g.buf(f"act.{i}", (m, cfg.intermediate_size), "bf16")
     segs = [_seg(cfg, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], cfg.intermediate_size,
                  cfg.hidden_size, "swiglu", act)]
-    _gemv(g, f"L{i}.gateup", i, x_mid, (x_mid, p + "post_attention_layernorm.weight"), segs)
+    rows = mlp_group_rows(cfg) if mlp_groups else None
+    groups = tuple(((0, a, b),) for a, b in rows) if rows else None
+    _gemv(g, f"L{i}.gateup", i, x_mid, (x_mid, p + "post_attention_layernorm.weight"), segs, groups)
     segs = [_seg(cfg, [p + "mlp.down_proj.weight"], cfg.hidden_size, cfg.intermediate_size, "residual", x_next, x_mid)]
+    if rows and segs[0].split != len(rows):
+        raise ValueError(f"graph: L{i}.down has split {segs[0].split}, mlp_group_rows gives {len(rows)} groups")
     _gemv(g, f"L{i}.down", i, act, (), segs)
 
 
-def _layer(g: Graph, i: int, x: str) -> str:
+def _layer(g: Graph, i: int, x: str, mlp_groups: bool = False) -> str:
     cfg = g.cfg
     x_mid = g.buf(f"x.{i}.mid", (g.m, cfg.hidden_size), "bf16")
     x_next = g.buf(f"x.{i + 1}" if i < cfg.num_hidden_layers else "x.mtp.out", (g.m, cfg.hidden_size), "bf16")
@@ -227,7 +252,7 @@ def _layer(g: Graph, i: int, x: str) -> str:
         _attn_layer(g, i, x, x_mid)
     else:
         _gdn_layer(g, i, x, x_mid)
-    _mlp(g, i, x_mid, x_next)
+    _mlp(g, i, x_mid, x_next, mlp_groups)
     return x_next
 
 
@@ -285,11 +310,13 @@ def _check_m(m: int) -> None:
         raise ValueError(f"graph: m={m} rows; expected 1..{MAX_ROWS}")
 
 
-def verify_graph(cfg: ModelConfig, m: int, layer_limit: int | None = None, defer_reduce: bool = False) -> Graph:
+def verify_graph(cfg: ModelConfig, m: int, layer_limit: int | None = None, defer_reduce: bool = False,
+                 mlp_groups: bool | None = None) -> Graph:
     """The target model over ``m`` rows (the current token + m−1 drafts, positions pos..pos+m−1).
 
     ``layer_limit`` keeps the first L layers (bisect knob; the head still runs); ``defer_reduce``: residual
-    split-K reduces in the consumers' prologues (:func:`defer_reduces`). Raises ValueError on bad m/L."""
+    split-K reduces in the consumers' prologues (:func:`defer_reduces`); ``mlp_groups``: gate|up rows grouped per
+    down split (``_mlp``; None: DEFAULT_MLP_GROUPS, read at call time). Raises ValueError on bad m/L."""
     _check_m(m)
     n = cfg.num_hidden_layers if layer_limit is None else layer_limit
     if not 0 <= n <= cfg.num_hidden_layers:
@@ -298,22 +325,25 @@ def verify_graph(cfg: ModelConfig, m: int, layer_limit: int | None = None, defer
     tok = g.buf("tokens", (m,), "i32", "io")
     x = g.buf("x.0", (m, cfg.hidden_size), "bf16")
     g.ops.append(Op("embed", "embed", -1, (tok,), (x,), m * cfg.hidden_size * 2, 0))
+    grp = DEFAULT_MLP_GROUPS if mlp_groups is None else mlp_groups
+    g.split_reads = grp
     for i in range(n):
-        x = _layer(g, i, x)
+        x = _layer(g, i, x, grp)
     _head(g, x, "model.norm.weight")
     return defer_reduces(g) if defer_reduce else g
 
 
-def decode_graph(cfg: ModelConfig, layer_limit: int | None = None, defer_reduce: bool = False) -> Graph:
+def decode_graph(cfg: ModelConfig, layer_limit: int | None = None, defer_reduce: bool = False,
+                 mlp_groups: bool | None = None) -> Graph:
     """One decode step (M = 1)."""
-    return verify_graph(cfg, 1, layer_limit, defer_reduce)
+    return verify_graph(cfg, 1, layer_limit, defer_reduce, mlp_groups)
 
 
-def mtp_graph(cfg: ModelConfig, m: int = 1, defer_reduce: bool = False) -> Graph:
+def mtp_graph(cfg: ModelConfig, m: int = 1, defer_reduce: bool = False, mlp_groups: bool | None = None) -> Graph:
     """One MTP draft step (spec §4): x = mtp.fc(cat[norm_e(embed(tok)), norm_h(hidden)]) → the MTP full-attention
     layer (own KV cache, layer index num_hidden_layers) → mtp.norm → lm_head → argmax. ``hidden`` is the
-    final-normed hidden state of the row before (io input); ``defer_reduce`` as ``verify_graph``. Raises ValueError
-    when the config has no MTP layer."""
+    final-normed hidden state of the row before (io input); ``defer_reduce``, ``mlp_groups`` as ``verify_graph``.
+    Raises ValueError when the config has no MTP layer."""
     _check_m(m)
     if cfg.mtp_num_hidden_layers != 1:
         raise ValueError("mtp_graph: the config has no MTP layer (mtp_num_hidden_layers=0)")
@@ -326,6 +356,7 @@ def mtp_graph(cfg: ModelConfig, m: int = 1, defer_reduce: bool = False) -> Graph
     x = g.buf(f"x.{L}", (m, H), "bf16")
     segs = [_seg(cfg, ["mtp.fc.weight"], H, 2 * H, "store", x, fp8=False)]
     _gemv(g, "mtp.fc", L, (e, hid), ((e, "mtp.pre_fc_norm_embedding.weight"), (hid, "mtp.pre_fc_norm_hidden.weight")), segs)
-    x = _layer(g, L, x)
+    g.split_reads = DEFAULT_MLP_GROUPS if mlp_groups is None else mlp_groups
+    x = _layer(g, L, x, g.split_reads)
     _head(g, x, "mtp.norm.weight")
     return defer_reduces(g) if defer_reduce else g

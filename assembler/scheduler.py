@@ -41,7 +41,7 @@ import numpy as np
 from assembler.asm_regions import regions
 from assembler.graph import Graph, Op
 from assembler.isa import ARGMAX_KEYS, MAX_WAITS, Instruction, Opcode, sub_word
-from assembler.numerics import ROW_TILE, attn_partitions
+from assembler.numerics import K_BLOCK, ROW_TILE, attn_partitions, split_blocks
 from assembler.program import Counter, Program
 
 
@@ -65,17 +65,20 @@ def _gemv_units(op: Op, reduce: bool, local: bool = False) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros((0, 6))
 
 
-def _apportion(costs: list[float], caps: list[int], n: int) -> list[int] | None:
+def _apportion(costs: list[float], caps: list[int], n: int, ready: list[float] | None = None) -> list[int] | None:
     """SMs per run: one each, then one at a time to the run with the largest bytes per SM (capped at its unit
-    count) — the minimax apportionment. None when there are more runs than SMs."""
+    count) — the minimax apportionment; with ``ready`` (bytes one SM streams before the run's input is complete)
+    the run that would end last, ready + bytes per SM (greedy is optimal: only the last run's share can lower the
+    maximum). None when there are more runs than SMs."""
     if len(costs) > n:
         return None
+    r = ready or [0.0] * len(costs)
     cnt = [1] * len(costs)
     for _ in range(n - len(costs)):
         cand = [i for i in range(len(costs)) if cnt[i] < caps[i]]
         if not cand:
             break
-        i = max(cand, key=lambda j: (costs[j] / cnt[j], -j))
+        i = max(cand, key=lambda j: (r[j] + costs[j] / cnt[j], -j))
         cnt[i] += 1
     return cnt
 
@@ -90,22 +93,26 @@ def _runs(units: np.ndarray, sms: np.ndarray | None = None) -> list[tuple[int, i
     return list(zip(starts.tolist(), np.append(starts[1:], len(units)).tolist()))
 
 
-def _balanced(load: np.ndarray, units: np.ndarray) -> np.ndarray | None:
+def _balanced(load: np.ndarray, units: np.ndarray, ready: np.ndarray | None = None) -> np.ndarray | None:
     """SM of each unit with every SM running at most one instruction of the op: the runs (``_runs``) get SMs in
     proportion to their bytes (``_apportion``), each run is cut into equal contiguous chunks (±1 unit), and the
     chunks go to the least-loaded SMs first. None when there are more runs than SMs (then ``_water_fill``).
     Why (session 7, the megakernel's timing build): an op is a barrier for its consumers, so what counts is each
     op's slowest SM; the cumulative water fill cut runs at (segment, split) and head-group boundaries and gave
     SMs 2-3 instructions of the in-projection that ran one after another (each bound by its warps' streaming
-    latency, not its bytes)."""
+    latency, not its bytes). ``ready`` (per unit, bytes; ``_Builder._ready``): when a run's input is complete
+    relative to the others' — the SMs go to runs by ready + bytes per SM, and the runs ready first get the
+    least-loaded SMs."""
     runs = _runs(units)
-    cnt = _apportion([float(units[a:b, 5].sum()) for a, b in runs], [b - a for a, b in runs], load.size)
+    r = None if ready is None else [float(ready[a]) for a, _ in runs]
+    cnt = _apportion([float(units[a:b, 5].sum()) for a, b in runs], [b - a for a, b in runs], load.size, r)
     if cnt is None:
         return None
     order = np.argsort(load, kind="stable")
     sms = np.empty(len(units), np.int64)
     k = 0
-    for (a, b), c in zip(runs, cnt):
+    seq = range(len(runs)) if r is None else sorted(range(len(runs)), key=lambda i: (r[i], i))
+    for (a, b), c in ((runs[i], cnt[i]) for i in seq):
         for j in range(c):
             sms[a + (b - a) * j // c: a + (b - a) * (j + 1) // c] = order[k]
             k += 1
@@ -157,6 +164,7 @@ class _Builder:
         self.wid: dict = {}
         self.weight_segment: dict[int, tuple[int, int]] = {}
         self.stage = 0
+        self.group_span: dict[tuple[int, int], float] = {}  # (op, group) → bytes of its largest final instruction
 
     def counter(self, op_i: int, stage: str, group: int) -> int:
         key = (op_i, stage, group)
@@ -288,7 +296,7 @@ class _Builder:
                 units, sms = main_cut  # nothing was emitted since: the same cut
             else:
                 units = _gemv_units(op, reduce, local)
-                sms = self._assign(units) if len(units) else None
+                sms = self._assign(units, None if reduce else self._ready(oi, op, units)) if len(units) else None
             if not len(units):
                 continue
             self.stage += 1
@@ -317,13 +325,42 @@ class _Builder:
                     last = ri == len(runs) - 1  # the last share to K whatever K is
                     f.update(aux0=8 * (K8 * ri // len(runs)), aux1=K if last else 8 * (K8 * (ri + 1) // len(runs)))
                 self.emit(sm, nb, self.counter(oi, "out" if final else "part", gi), **f)
+                if final:
+                    self.group_span[(oi, gi)] = max(self.group_span.get((oi, gi), 0.0), float(nb))
 
 
-    def _assign(self, units: np.ndarray) -> np.ndarray:
-        """SM of each unit of one GEMV stage: the per-op cut (``_balanced``) unless it would load its busiest SM
-        more than BALANCE_SLACK × the water fill's (few SMs for the op's runs), else the water fill."""
+    def _ready(self, oi: int, op: Op, units: np.ndarray) -> np.ndarray | None:
+        """Per unit of a split-K GEMV without prologue (it reads only its split's K columns of its input,
+        asm_regions): the bytes of the largest instruction of the producer's output groups that write those
+        columns — when the split's input is complete, relative to the other splits' (gate|up grouped per down
+        split, graph ``mlp_groups``: the groups holding the cut's longer chunks end last). None when the
+        producer has one group (nothing ends early) or the op has a prologue."""
+        if op.norm or op.reduce_in or len(op.reads) < 1:
+            return None
+        x = op.reads[0]
+        pi = next((i for i in range(oi - 1, -1, -1) if x in self.g.ops[i].writes), None)
+        if pi is None or self.g.ops[pi].kind != "gemv" or len(self.g.ops[pi].groups) < 2:
+            return None
+        prod = self.g.ops[pi]
+        cols = [[(a, b) for si, a, b in grp if prod.segments[si].out == x] for grp in prod.groups]
+        K = self.g.buffers[x].shape[-1]
+        ready = np.zeros(len(units))
+        for u in range(len(units)):
+            seg = op.segments[int(units[u, 1])]
+            if seg.split < 2:
+                return None
+            kb = split_blocks(K, seg.split, int(units[u, 2]))
+            lo, hi = kb.start * K_BLOCK, kb.stop * K_BLOCK
+            ready[u] = max((self.group_span.get((pi, gi), 0.0) for gi, cs in enumerate(cols)
+                            if any(a < hi and b > lo for a, b in cs)), default=0.0)
+        return ready if np.ptp(ready) > 0 else None
+
+    def _assign(self, units: np.ndarray, ready: np.ndarray | None = None) -> np.ndarray:
+        """SM of each unit of one GEMV stage: the per-op cut (``_balanced``; ``ready`` as there) unless it would
+        load its busiest SM more than BALANCE_SLACK × the water fill's (few SMs for the op's runs), else the
+        water fill."""
         fill = _water_fill(self.load.copy(), units[:, 5])
-        sms = _balanced(self.load, units) if self.balance else None
+        sms = _balanced(self.load, units, ready) if self.balance else None
         if sms is not None and _max_share(sms, units, self.n) > BALANCE_SLACK * _max_share(fill, units, self.n):
             sms = None  # too few SMs for the op's runs: whole runs would land on single SMs
         return fill if sms is None else sms
@@ -371,6 +408,24 @@ def _add_waits(prog: Program, draft: list[list[Instruction]]) -> list[list[Instr
     for s, j in order:
         bumpers.setdefault(draft[s][j].bump, []).append((s, j))
     ctr_stage = {c: max(prog.stage_of[p] for p in b) for c, b in bumpers.items()}
+    # A GDN_STEP counter is known complete only through waits, never through program order: the runner's split_gdn
+    # moves value-head parts of a step to other SMs (megakernel/runner.py), so a reader after the step on its SM
+    # would outrun those parts (on one SM they stay on it). known: per instruction, bits of the GDN counters known
+    # complete at its start (its SM's earlier waits and its own, each with what that counter's bumpers knew: they
+    # all completed). Only graph.split_reads programs read a GDN output narrowly enough to need it (an out
+    # projection's split of o written on its own SM); without it every such read already waited.
+    gdn_bit = {c: 1 << k for k, c in enumerate(sorted(c for c, b in bumpers.items()
+                                                      if draft[b[0][0]][b[0][1]].opcode == Opcode.GDN_STEP))}
+    known: dict[tuple[int, int], int] = {}
+    ctr_known: dict[int, int] = {}
+
+    def known_of(c: int) -> int:
+        if c not in ctr_known:
+            k = gdn_bit.get(c, 0)
+            for p in bumpers[c]:
+                k |= known[p]
+            ctr_known[c] = k
+        return ctr_known[c]
     cc: dict[int, np.ndarray] = {}
     need_cache: dict[tuple, dict] = {}
 
@@ -426,6 +481,14 @@ def _add_waits(prog: Program, draft: list[list[Instruction]]) -> list[list[Instr
         for c in list(chosen):
             if len(chosen) > 1 and full([x for x in chosen if x != c]):
                 chosen.remove(c)
+        kn = known[(s, j - 1)] if j else 0
+        for c in chosen:
+            kn |= known_of(c)
+        for c in sorted((c for c in need if n > 1 and c in gdn_bit and not kn & gdn_bit[c]),
+                        key=lambda c: -ctr_stage[c]):
+            chosen.append(c)  # covered by program order only: split_gdn would break that
+            kn |= known_of(c)
+        known[(s, j)] = kn
         assert full(chosen), f"scheduler: could not order the reads of {ins}"
         vc[(s, j)] = clock(chosen)
         waits = [(c, prog.counters[c].expected, 0) for c in chosen]

@@ -21,7 +21,7 @@ MAX_SMS = 1024  # far above any GPU's SM count; the assembler's time and memory 
 # options that shape the assembled program; --timings runs the megakernel's own default decode program instead
 _PROGRAM_ONLY = {"layer_limit": "--layer-limit", "rows": "--rows", "kind": "--kind", "fuse_reduce": "--fuse-reduce",
                  "defer_reduce": "--defer-reduce", "local_reduce": "--local-reduce", "check": "--verify",
-                 "gdn_split": "--gdn-split"}
+                 "gdn_split": "--gdn-split", "mlp_groups": "--mlp-groups"}
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -43,6 +43,9 @@ _PROGRAM_ONLY = {"layer_limit": "--layer-limit", "rows": "--rows", "kind": "--ki
 @click.option("--local-reduce/--no-local-reduce", default=None,
               help="split-K in-projections reduced on their own instructions in shared memory instead of GEMV_REDUCE "
                    "stages (default: the megakernel's default program)")
+@click.option("--mlp-groups/--no-mlp-groups", default=None,
+              help="gate|up rows in one group per down split, each down split waiting only on its group and cut by "
+                   "when its group ends (default: the assembler's DEFAULT_MLP_GROUPS, off)")
 @click.option("--gdn-split", type=click.IntRange(min=1), default=1, show_default=True,
               help="split every GDN step over its key head's value heads in this many parts, as the megakernel runner "
                    "does (its default: the head group, one part per value head; 1 = the program as assembled)")
@@ -51,13 +54,13 @@ _PROGRAM_ONLY = {"layer_limit": "--layer-limit", "rows": "--rows", "kind": "--ki
 @click.option("--timings", is_flag=True, help="run the megakernel's default decode program (2 steps) on the GPU with "
               "per-instruction timing slots (QMK_MK_TIMING build) and print them as JSON; takes --preset, --sms, "
               "--context (and --format json); refuses --layer-limit, --rows, --kind, --fuse-reduce, --defer-reduce, "
-              "--local-reduce, --verify, "
+              "--local-reduce, --mlp-groups, --verify, "
               "--format text/stats; exit 7 without a GPU")
 @click.option("--context", type=click.IntRange(min=0), default=0, show_default=True,
               help="with --timings: start position; otherwise the KV context whose attention bytes the stats add")
 def command(preset_name: str, sms: int, fmt: str, layer_limit: int | None, rows: int, kind: str,
-            fuse_reduce: bool | None, defer_reduce: bool | None, local_reduce: bool | None, gdn_split: int,
-            check: bool, timings: bool, context: int) -> None:
+            fuse_reduce: bool | None, defer_reduce: bool | None, local_reduce: bool | None,
+            mlp_groups: bool | None, gdn_split: int, check: bool, timings: bool, context: int) -> None:
     """Print the instruction program of one step and its stats (bytes per SM, imbalance, waits, critical path)."""
     if timings:
         ctx = click.get_current_context()
@@ -86,7 +89,8 @@ def command(preset_name: str, sms: int, fmt: str, layer_limit: int | None, rows:
     if defer_reduce is None:
         from megakernel.runner import DEFAULT_DEFER
         defer_reduce = DEFAULT_DEFER and rows == 1  # the runner's choice (megakernel/runner.py build_program)
-    g = mtp_graph(cfg, rows, defer_reduce) if kind == "mtp" else verify_graph(cfg, rows, layer_limit, defer_reduce)
+    g = (mtp_graph(cfg, rows, defer_reduce, mlp_groups) if kind == "mtp" else
+         verify_graph(cfg, rows, layer_limit, defer_reduce, mlp_groups))
     if fuse_reduce is None:
         from megakernel.runner import DEFAULT_FUSE
         fuse_reduce = DEFAULT_FUSE

@@ -54,10 +54,11 @@ def same_state(a, b, cfg):
     assert a.pos == b.pos
 
 
-def run_sequence(w, exp, sms, orders, fuse_reduce=True, defer_reduce=False, local_reduce=True):
+def run_sequence(w, exp, sms, orders, fuse_reduce=True, defer_reduce=False, local_reduce=True, mlp_groups=False):
     cfg = w.config
     st = exp["start"].copy()
-    vms = {m: VM(schedule(verify_graph(cfg, m, defer_reduce=defer_reduce), sms, fuse_reduce=fuse_reduce,
+    vms = {m: VM(schedule(verify_graph(cfg, m, defer_reduce=defer_reduce, mlp_groups=mlp_groups), sms,
+                          fuse_reduce=fuse_reduce,
                           local_reduce=local_reduce), w, CACHE)
            for m in (1, 3)}
     if local_reduce and sms > 1:  # the in-projections reduce on their own instructions (isa.py LOCAL_REDUCE)
@@ -105,6 +106,16 @@ def test_vm_local_reduce_off(ref, expected, sms, defer_reduce):
     seed = int(np.random.default_rng().integers(0, 1 << 30))
     run_sequence(ref[0], expected, sms, [("rr", 0), ("random", seed), ("random", seed + 1)], fuse_reduce=False,
                  defer_reduce=defer_reduce, local_reduce=False)
+
+
+@pytest.mark.parametrize("sms", [7, 132])
+@pytest.mark.parametrize("defer_reduce", [False, True])
+def test_vm_mlp_groups(ref, expected, sms, defer_reduce):
+    """gate|up grouped per down split (graph mlp_groups: down split j waits only on its group, asm_regions' split
+    read region) stays bit-identical to the reference, M = 1 and 3, in order and in random interleavings."""
+    seed = int(np.random.default_rng().integers(0, 1 << 30))
+    run_sequence(ref[0], expected, sms, [("rr", 0), ("random", seed), ("random", seed + 1)], fuse_reduce=False,
+                 defer_reduce=defer_reduce, mlp_groups=True)
 
 
 @pytest.mark.slow
