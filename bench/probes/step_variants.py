@@ -21,7 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.harness import replay_times_ms, result_file  # noqa: E402
 
 CTX = 1024
-VARIANTS = [("rule", {}), ("tma_kpb2", {"QMK_GEMV_TMA_KPB": 2})]
+# e4m3_placed (session 10): with bench/probes/pending_e4m3_signrep.patch applied, the previous e4m3 widening as the
+# control of the sign-replicate one (without the patch the define is ignored and it equals "rule")
+VARIANTS = [("rule", {}), ("tma_kpb2", {"QMK_GEMV_TMA_KPB": 2}), ("e4m3_placed", {"QMK_E4M3_SIGNREP": 0})]
 
 
 def main(argv: list[str] | None = None) -> int:
