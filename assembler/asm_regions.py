@@ -15,6 +15,11 @@ the verifier allows the S joint writers of a row, one per split, and nothing els
 other splits' partials are ordered by the tile's arrival counter inside the op, not by a wait:
 :func:`reduce_touches` lists them for the cross-step check only.
 
+Split-K reads (graph.split_reads, set with mlp_groups): a split-K GEMV without prologue reads only its split's K
+columns of its input (mk_gemv streams K-blocks [s·per, (s+1)·per) of weight and input alike); without the flag the
+region is the whole row — a superset, so both are safe. The flag, not the words, decides, so that every program the
+H200 has run keeps its words until one runs the narrow form (docs/megakernel.md, session 10).
+
 GDN steps split over value heads (``megakernel.runner.split_gdn``: ``split`` / ``nsplit`` of a key head's value
 heads): each part owns its value heads' state, conv channels, z and output columns; the key head's q / k conv
 channels are written by the part holding its first value head and read by the others as the previous positions'
@@ -64,7 +69,9 @@ def regions(prog, ins: Instruction) -> tuple[list, list, list]:
             # split s streams K-blocks [s·per, (s+1)·per) of weight and input alike (megakernel.cu mk_gemv,
             # gemv.cuh qmk_gemv_load_x): only its split's columns of x (graph.split_reads; without it the whole
             # row, a superset: safe, and every program the H200 ran so far keeps its words)
-            kb = split_blocks(W(ins.buf0), ins.nsplit, ins.split)
+            if seg.k != W(ins.buf0):  # the kernel splits the weight's K (W.cols), the region the buffer's width
+                raise ValueError(f"{op.name}: weight K {seg.k} != input width {W(ins.buf0)}")
+            kb = split_blocks(seg.k, ins.nsplit, ins.split)
             reads.append((ins.buf0, kb.start * K_BLOCK, kb.stop * K_BLOCK))
         elif ins.opcode == Opcode.GEMV:
             srcs = [b for b in (ins.buf0, ins.buf4) if b >= 0]

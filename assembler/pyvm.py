@@ -22,6 +22,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from assembler.asm_regions import _gdn_part
 from assembler.graph import ab_split, layer_prefix
 from assembler.isa import Instruction, Opcode, fused_reduce, local_reduce, sub_parts, sub_src_split
 from assembler.numerics import ROW_TILE, attn_partition_range, attn_partitions
@@ -102,6 +103,7 @@ class VM:
                 raise ValueError(f"VM.run_step: MTP program needs hidden bf16 {self.buf['hidden'].shape}")
             self.buf["hidden"][:] = hidden
         self.pos0 = state.mtp_pos if self.g.kind == "mtp" else state.pos
+        self.conv0 = {}  # per GDN layer: the conv state as this step found it (split GDN parts read its history)
         self._interleave(order, seed)
         for b, cnt in self.arrive.items():
             if cnt.any():
@@ -261,21 +263,33 @@ class VM:
                                                        up_partials=None if up is None else np.ascontiguousarray(up))
 
     def _op_gdn_step(self, ins) -> None:
+        """Key heads [row_start, row_end), value heads [j0, j1) of part ``split`` of ``nsplit`` (asm_regions
+        ``_gdn_part``, the runner's split_gdn): each part runs its value heads and writes their state, z columns and
+        output, and the q / k conv channels of the key heads it owns; the conv history of the others comes from
+        the state as the step found it (the kernel's ring: the owner writes only the current position's slot)."""
         c, li, (h0, h1) = self.cfg, ins.layer, (ins.row_start, ins.row_end)
         pre = layer_prefix(c, li) + "linear_attn."
         dk, dv, grp, kd, M = c.linear_key_head_dim, c.linear_value_head_dim, c.gdn_head_group, c.gdn_key_dim, self.g.m
-        nh, vh = h1 - h0, np.arange(h0 * grp, h1 * grp)
+        j0, j1, own = _gdn_part(c, ins)
+        nh, vh = h1 - h0, np.arange(j0, j1)
         xn = ops.rmsnorm(self._b(ins.buf2), self._get(self.p.weights[ins.w1][0]), c.rms_norm_eps)
         S = ab_split(c)
         ab = [ops.gemv_reduce(np.stack([ops.gemv_partial(self._get(pre + n), None, xn, vh, S, s) for s in range(S)]))
               for n in ("in_proj_a.weight", "in_proj_b.weight")]
         ch = np.concatenate([np.arange(h0 * dk, h1 * dk), np.arange(kd + h0 * dk, kd + h1 * dk),
-                             np.arange(2 * kd + h0 * grp * dv, 2 * kd + h1 * grp * dv)])
+                             np.arange(2 * kd + j0 * dv, 2 * kd + j1 * dv)])
         conv = self.state.conv[li]
-        y, conv[ch] = ops.gdn_conv_step(self._b(ins.buf0)[:, ch], conv[ch], self._get(pre + "conv1d.weight")[ch])
-        q = np.repeat(y[:, :nh * dk].reshape(M, nh, dk), grp, axis=1)
-        k = np.repeat(y[:, nh * dk:2 * nh * dk].reshape(M, nh, dk), grp, axis=1)
-        v = np.ascontiguousarray(y[:, 2 * nh * dk:].reshape(M, nh * grp, dv))
+        if li not in self.conv0:  # the first part of the layer in this step takes it
+            self.conv0[li] = conv.copy()
+        hist = self.conv0[li]
+        y, new = ops.gdn_conv_step(self._b(ins.buf0)[:, ch], hist[ch], self._get(pre + "conv1d.weight")[ch])
+        mine = np.concatenate([np.isin(np.arange(h0, h1), own)] * 2).repeat(dk)
+        wr = np.concatenate([mine, np.ones(ch.size - mine.size, bool)])
+        conv[ch[wr]] = new[wr]
+        kh = vh // grp - h0  # each value head's key head, within the instruction's
+        q = y[:, :nh * dk].reshape(M, nh, dk)[:, kh]
+        k = y[:, nh * dk:2 * nh * dk].reshape(M, nh, dk)[:, kh]
+        v = np.ascontiguousarray(y[:, 2 * nh * dk:].reshape(M, vh.size, dv))
         g, beta = ops.gdn_gates(ab[0], ab[1], self._get(pre + "A_log")[vh], self._get(pre + "dt_bias")[vh])
         qn, kn = ops.gdn_qk_norm(q, k, "step")
         St, outs = self.state.rec[li][vh], []
@@ -283,8 +297,8 @@ class VM:
             o_t, St = ops.gdn_step_head(qn[t], kn[t], v[t], g[t], beta[t], St)
             outs.append(o_t)
         self.state.rec[li][vh] = St
-        cols = slice(h0 * grp * dv, h1 * grp * dv)
-        z = self._b(ins.buf1)[:, cols].reshape(M, nh * grp, dv)
+        cols = slice(j0 * dv, j1 * dv)
+        z = self._b(ins.buf1)[:, cols].reshape(M, vh.size, dv)
         o = ops.rmsnorm_gated(np.stack(outs), z, self._get(pre + "norm.weight"), c.rms_norm_eps)
         self._b(ins.buf3)[:, cols] = o.reshape(M, -1)
 
