@@ -163,3 +163,24 @@ def test_group_rows_none_without_split():
     g = decode_graph(cfg, layer_limit=1, mlp_groups=True)
     assert len(g.op("L0.gateup").groups) == 1
     assert not np.isnan(schedule(g, 7).stats()["est_step_ms"])
+
+
+def test_inspect_mlp_groups():
+    """``qwen-mk inspect --mlp-groups``: the grouped program (more counters: one per gate|up group), verified with
+    --verify and --gdn-split; --timings refuses it (it runs the megakernel's default program)."""
+    import json
+    from click.testing import CliRunner
+    from host.cli import main
+    out = {}
+    for flag in ("--no-mlp-groups", "--mlp-groups"):
+        r = CliRunner().invoke(main, ["inspect", "--preset", "tiny", "--sms", "7", "--format", "json", "--verify",
+                                      "--gdn-split", "3", flag])
+        assert r.exit_code == 0, r.output
+        out[flag] = json.loads(r.output)
+    S = split_k(preset("tiny").hidden_size, preset("tiny").intermediate_size)
+    groups = {f: {c["group"] for c in d["counters"] if c["name"].startswith("L0.gateup.")} for f, d in out.items()}
+    assert groups == {"--no-mlp-groups": {0}, "--mlp-groups": set(range(S))}
+    st = out["--mlp-groups"]["stats"]
+    assert st["verified"]["instructions"] == st["instructions"]
+    r = CliRunner().invoke(main, ["inspect", "--timings", "--mlp-groups"])
+    assert r.exit_code == 2 and "--mlp-groups" in r.output, r.output
