@@ -27,9 +27,12 @@ def ref(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def expected(ref):
-    """Reference results: prefill, two decode steps, one M=3 verify step, one MTP draft (fresh random ids)."""
+    """Reference results: prefill, two decode steps, one M=3 verify step, one MTP draft (fresh random ids; the seed
+    is in every failure message of run_sequence, and QMK_VM_TEST_SEED replays it)."""
+    import os
     w, model = ref
-    rng = np.random.default_rng()
+    data_seed = int(os.environ.get("QMK_VM_TEST_SEED") or np.random.default_rng().integers(0, 1 << 31))
+    rng = np.random.default_rng(data_seed)
     st = model.new_state(PREFILL + 8)
     model.prefill(st, rng.integers(0, 248000, PREFILL), logit_rows=[PREFILL - 1])
     start = st.copy()
@@ -40,7 +43,7 @@ def expected(ref):
     hid = st.hidden[-1:].copy()
     mtp_ids = [int(rng.integers(0, 248000))]
     mtp_logits, hn = model.mtp_draft(st, mtp_ids, hid)
-    return {"start": start, "steps": out, "mtp": (mtp_ids, hid, mtp_logits, hn, st.copy())}
+    return {"start": start, "steps": out, "mtp": (mtp_ids, hid, mtp_logits, hn, st.copy()), "seed": data_seed}
 
 
 def same_state(a, b, cfg):
@@ -70,12 +73,16 @@ def run_sequence(w, exp, sms, orders, fuse_reduce=True, defer_reduce=False, loca
     vms = {m: VM(prog(m), w, CACHE) for m in (1, 3)}
     if local_reduce and sms > 1:  # the in-projections reduce on their own instructions (isa.py LOCAL_REDUCE)
         assert any(local_reduce_flag(i) for v in vms.values() for l in v.p.sm_lists for i in l)
-    for (ids, logits, st_ref), (order, seed) in zip(exp["steps"], orders):
-        got, nxt = vms[len(ids)].run_step(st, ids, order=order, seed=seed)
-        assert np.array_equal(got.view(np.uint16), logits.view(np.uint16)), f"logits differ (sms={sms}, {order})"
-        assert nxt.tolist() == np.argmax(logits.astype(np.float32), -1).tolist()
-        same_state(st, st_ref, cfg)
-        assert np.array_equal(st.hidden.view(np.uint16), st_ref.hidden.view(np.uint16)), "final-normed hidden"
+    for k, ((ids, logits, st_ref), (order, seed)) in enumerate(zip(exp["steps"], orders)):
+        where = f"step {k}, sms={sms}, order {order} seed {seed}, QMK_VM_TEST_SEED={exp['seed']}"
+        try:
+            got, nxt = vms[len(ids)].run_step(st, ids, order=order, seed=seed)
+            assert np.array_equal(got.view(np.uint16), logits.view(np.uint16)), "logits differ"
+            assert nxt.tolist() == np.argmax(logits.astype(np.float32), -1).tolist(), "next ids differ"
+            same_state(st, st_ref, cfg)
+            assert np.array_equal(st.hidden.view(np.uint16), st_ref.hidden.view(np.uint16)), "final-normed hidden"
+        except (AssertionError, VMError) as e:
+            raise AssertionError(f"{e} ({where})") from e
 
 
 @pytest.mark.parametrize("sms", [1, 7, 132])
