@@ -344,15 +344,16 @@ class _Builder:
         prod = self.g.ops[pi]
         cols = [[(a, b) for si, a, b in grp if prod.segments[si].out == x] for grp in prod.groups]
         K = self.g.buffers[x].shape[-1]
-        ready = np.zeros(len(units))
-        for u in range(len(units)):
-            seg = op.segments[int(units[u, 1])]
+        per: dict[tuple[int, int], float] = {}  # (segment, split) → ready: the same for all of its units
+        for si, s in {(int(a), int(b)) for a, b in units[:, 1:3]}:
+            seg = op.segments[si]
             if seg.split < 2:
                 return None
-            kb = split_blocks(K, seg.split, int(units[u, 2]))
+            kb = split_blocks(K, seg.split, s)
             lo, hi = kb.start * K_BLOCK, kb.stop * K_BLOCK
-            ready[u] = max((self.group_span.get((pi, gi), 0.0) for gi, cs in enumerate(cols)
-                            if any(a < hi and b > lo for a, b in cs)), default=0.0)
+            per[(si, s)] = max((self.group_span.get((pi, gi), 0.0) for gi, cs in enumerate(cols)
+                                if any(a < hi and b > lo for a, b in cs)), default=0.0)
+        ready = np.array([per[(int(a), int(b))] for a, b in units[:, 1:3]])
         return ready if np.ptp(ready) > 0 else None
 
     def _assign(self, units: np.ndarray, ready: np.ndarray | None = None) -> np.ndarray:

@@ -9,8 +9,8 @@ finds the backward-branch bodies holding HMMA instructions, densest first (the K
 prints the bodies' opcode counts (predicates and modifiers stripped: ``IMAD.SHL.U32`` counts as IMAD) and the
 HMMA count, so per-unit costs follow from counts / (HMMA per unit: 8 for fp8, 4 for bf16).
 
-cuobjdump is not part of this machine's CUDA install: ``pip download --no-deps nvidia-cuda-cuobjdump`` and unzip
-the wheel (its ``nvidia/cu13/bin/cuobjdump``), then put that folder on PATH or pass ``--cuobjdump``. Counts are
+cuobjdump is not part of this machine's CUDA install: ``pip install nvidia-cuda-cuobjdump`` (found where
+``spill_map.find_tool`` looks), or unzip that wheel and put its ``nvidia/cu13/bin`` on PATH or pass ``--cuobjdump``. Counts are
 static (measured from the binary), not timings.
 """
 from __future__ import annotations
@@ -19,7 +19,6 @@ import argparse
 import collections
 import json
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -82,10 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernel", default="gemv_fp8_partial_m1r")
     ap.add_argument("--preset", default="qwen3.5-27b")
     ap.add_argument("--define", action="append", default=[], help="NAME=VALUE, added to the unit's defines")
-    ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump"))
+    ap.add_argument("--cuobjdump", default=None, help="default: spill_map.find_tool (PATH, /usr/local/cuda/bin, "
+                    "pip-installed nvidia packages)")
     ap.add_argument("--top", type=int, default=1, help="how many loops to show (densest first)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    from bench.probes.spill_map import find_tool
+    a.cuobjdump = a.cuobjdump or find_tool("cuobjdump")
     if not a.cuobjdump:
         print("sass_hist: cuobjdump not found (see the module docstring: the nvidia-cuda-cuobjdump wheel)",
               file=sys.stderr)
