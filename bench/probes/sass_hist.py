@@ -9,9 +9,9 @@ finds the backward-branch bodies holding HMMA instructions, densest first (the K
 prints the bodies' opcode counts (predicates and modifiers stripped: ``IMAD.SHL.U32`` counts as IMAD) and the
 HMMA count, so per-unit costs follow from counts / (HMMA per unit: 8 for fp8, 4 for bf16).
 
-cuobjdump is not part of this machine's CUDA install: ``pip install nvidia-cuda-cuobjdump`` (found where
-``spill_map.find_tool`` looks), or unzip that wheel and put its ``nvidia/cu13/bin`` on PATH or pass ``--cuobjdump``. Counts are
-static (measured from the binary), not timings.
+cuobjdump is not in this machine's CUDA install; ``spill_map.find_tool`` finds the copy the triton package ships
+(or one from ``pip install nvidia-cuda-cuobjdump``); ``--cuobjdump`` names another. Counts are static (measured from
+the binary), not timings.
 """
 from __future__ import annotations
 
