@@ -22,7 +22,7 @@ MTP cache holds step-1 keys for earlier positions), each in bf16 autocast three 
 (bf16-rounded), after the fp8 export of the body (128×128 block e4m3, bf16 scales, the checkpoint's rule), and
 with the embedding/lm_head as the artefact stores it too (e4m3 with a power-of-two scale per row, exact in bf16).
 
-Writes into ``--out``: ``body.npz`` (every non-embedding tensor by canonical checkpoint name, stored bits: uint8
+Writes into ``--out``: ``body_<i>.npz`` (shards of ≤ 12 MiB holding every non-embedding tensor by canonical checkpoint name, stored bits: uint8
 e4m3 and uint16 bf16 incl. ``*_scale_inv``), ``embed.npz`` (``ids`` int32 [K-2] full ids of the compact rows,
 ``embed_e4m3`` uint8 [K, H], ``embed_exp`` int8 [K] power-of-two row scales), ``train_log.json``.
 """
@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 FULL_VOCAB, FIRST_ADDED, FIRST_PAD = 248320, 248044, 248077
 N_PAD = FULL_VOCAB - FIRST_PAD
+BODY_SHARD_BYTES = 12 << 20
 
 
 def hf_config(vocab: int, text_config: Path | None = None):
@@ -357,8 +358,17 @@ def main(argv=None) -> None:
     net.load_state_dict(master)
     del bf16
     a.out.mkdir(parents=True, exist_ok=True)
-    np.savez(a.out / "body.npz", **{n: to_bits(v) for n, v in stored.items()})
-    np.savez(a.out / "embed.npz", ids=keep, embed_e4m3=to_bits(qE), embed_exp=kE.cpu().numpy())
+    shards, cur, size = [], {}, 0
+    for n, v in stored.items():  # shards under the device's 16 MiB per-file limit on what comes back
+        b = to_bits(v)
+        if cur and size + b.nbytes > BODY_SHARD_BYTES:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[n], size = b, size + b.nbytes
+    shards.append(cur)
+    for i, sh in enumerate(shards):
+        np.savez_compressed(a.out / f"body_{i}.npz", **sh)
+    np.savez_compressed(a.out / "embed.npz", ids=keep, embed_e4m3=to_bits(qE), embed_exp=kE.cpu().numpy())
     import transformers
     log = {"seed": a.seed, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
            "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
