@@ -29,6 +29,12 @@ from loader.config import ModelConfig
 
 F32 = np.float32
 
+# Tolerance against the reference (``agreement``; tests/cpu/test_cpu_fast.py): the oracle's self-disagreement
+# envelope of docs/tolerance.md, i.e. the fast path may differ from the reference no more than the transformers
+# oracle's two paths differ from each other (``Envelope.calibrate`` over tests/golden; a test keeps these equal).
+D32_BOUNDS = {"max": 0.375, "p99": 0.25, "p50": 0.125, "mean": 0.140625}   # logit units, after 1 ulp allowance
+TIE_MARGIN = 0.25                                                           # margins ≤ this + 1 ulp are near-ties
+
 
 def rb(x: np.ndarray) -> np.ndarray:
     """Round a float32 array to bf16 values (RNE), kept as float32: the bits of ``x.astype(bfloat16)`` widened.
@@ -331,3 +337,34 @@ def gdn_chunked(q, k, v, g, beta, S0, chunk: int = GDN_CHUNK):
         S = S * cdec[:, i, None, None] + kdT[:, i] @ vn
     o = out.reshape(H, n * chunk, dv)[:, :T]
     return rb(np.moveaxis(o, 0, 1)), S
+
+
+def agreement(cand: np.ndarray, ref: np.ndarray) -> tuple[dict, list[str]]:
+    """Score candidate logits against reference logits, both [T, V] (any float dtype; bf16 values), per position:
+    d32 = max |cand − ref| over the reference's top-32 ids, reduced by one bf16 ulp of the reference's top-1 logit
+    (docs/tolerance.md); top-1 = full-vocabulary argmax equal (lowest id on ties). Fails when a d32 statistic
+    (max, p99, p50, mean) exceeds D32_BOUNDS or the argmax differs at a position whose reference top-1/top-2
+    margin exceeds TIE_MARGIN + 1 ulp (near-ties may flip). Returns (stats, failure messages): stats has the
+    d32 statistics, ``top1`` (agreement rate), ``max_abs`` (full-vocabulary max |cand − ref|), ``positions``,
+    ``flip_margins`` (reference margins where the argmax differs)."""
+    from assembler.ref.envelope import _stats, _ulp
+
+    c, r = f32(cand).reshape(-1, cand.shape[-1]), f32(ref).reshape(-1, ref.shape[-1])
+    if c.shape != r.shape:
+        raise ValueError(f"agreement: candidate logits {c.shape} and reference logits {r.shape} differ in shape")
+    top = np.argsort(-r, axis=-1, kind="stable")[:, :32]
+    tv = np.take_along_axis(r, top, -1)
+    ulp = _ulp(tv[:, 0])
+    d32 = np.maximum(np.abs(np.take_along_axis(c, top, -1) - tv).max(-1) - ulp, 0)
+    st = _stats(d32)
+    margin = tv[:, 0] - tv[:, 1]
+    agree = c.argmax(-1) == r.argmax(-1)
+    stats = {**{f"d32_{k}": v for k, v in st.items()}, "top1": float(agree.mean()),
+             "max_abs": float(np.abs(c - r).max()), "positions": int(agree.size),
+             "flip_margins": [float(m) for m in margin[~agree]]}
+    fails = [f"d32 {k} (less 1 ulp) {st[k]:.4g} > bound {D32_BOUNDS[k]:.4g}" for k in D32_BOUNDS if st[k] > D32_BOUNDS[k]]
+    bad = np.flatnonzero(~agree & (margin > TIE_MARGIN + ulp))
+    if bad.size:
+        fails.append(f"top-1 differs at {bad.size} clear positions (reference margin > tie bound), first t="
+                     f"{bad[:5].tolist()} margins {margin[bad[:5]].tolist()}")
+    return stats, fails
