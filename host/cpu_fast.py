@@ -320,10 +320,12 @@ def gdn_chunked(q, k, v, g, beta, S0, chunk: int = GDN_CHUNK):
     lower = np.tril(np.ones((chunk, chunk), bool))
     D = np.where(lower, np.exp(np.where(lower, cum[..., :, None] - cum[..., None, :], F32(0))), F32(0))
     kT = np.swapaxes(kf, -1, -2)
-    ut = np.tril((kb @ kT) * D, -1) + np.eye(chunk, dtype=F32)                   # I + strict_lower
+    A = (kb @ kT) * D                                                            # only its strict lower part is used
     intra = (qf @ kT) * D
     ecum = np.exp(cum)
-    UW = np.linalg.solve(ut, np.concatenate([vf * bf[..., None], kb * ecum[..., None]], -1))
+    UW = np.concatenate([vf * bf[..., None], kb * ecum[..., None]], -1)         # solve (I + strict_lower A) X = B
+    for i in range(1, chunk):                                                    # forward substitution, as the reference
+        UW[..., i, :] -= (A[..., i:i + 1, :i] @ UW[..., :i, :])[..., 0, :]
     dv = vf.shape[-1]
     U, W = UW[..., :dv], UW[..., dv:]
     qd = qf * ecum[..., None]
