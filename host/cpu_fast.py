@@ -3,7 +3,7 @@
 Same model, same rounding points as the reference (``assembler/ref``: every op output rounded to bf16 where the
 reference rounds it, fp32 where it keeps fp32), but every sum is a float32 BLAS or NumPy reduction instead of the
 reference's float64 sums rounded once. It is therefore not bit-identical to the reference: it agrees with it
-within the tolerance stated and tested in ``tests/cpu/test_cpu_fast.py`` (bf16-ulp-level logit differences,
+within the tolerance of ``agreement`` (docs/tolerance.md, tests/cpu/test_cpu_fast.py: bf16-ulp-level logits,
 near-tie top-1 flips only). Why not the reference ops with float32 inputs: they check bf16/fp8 input dtypes and
 compute in float64 with per-128-block split-K (the engine's bit definition), which is what makes them slow.
 
@@ -130,7 +130,8 @@ class FastModel:
 
     def _layer(self, p: str, linear: bool) -> dict:
         c = self.cfg
-        L = {"in_norm": self._norm(p + "input_layernorm.weight"), "post_norm": self._norm(p + "post_attention_layernorm.weight"),
+        L = {"in_norm": self._norm(p + "input_layernorm.weight"),
+             "post_norm": self._norm(p + "post_attention_layernorm.weight"),
              "gate_up": self._lin(p + "mlp.gate_proj", p + "mlp.up_proj"), "down": self._lin(p + "mlp.down_proj")}
         if linear:
             a = p + "linear_attn."
@@ -165,7 +166,8 @@ class FastModel:
     def _gdn(self, L: dict, st: FastState, li: int, h: np.ndarray, path: str) -> np.ndarray:
         c = self.cfg
         T = h.shape[0]
-        kd, vd, nk, nv, dk = c.gdn_key_dim, c.gdn_value_dim, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim
+        kd, vd, nv = c.gdn_key_dim, c.gdn_value_dim, c.linear_num_value_heads
+        nk, dk = c.linear_num_key_heads, c.linear_key_head_dim
         C = c.gdn_conv_dim
         y = rb(h @ L["in"].T)                                                    # [T, C | vd | nv | nv]
         qkv, z, b, a = y[:, :C], y[:, C:C + vd], y[:, C + vd:C + vd + nv], y[:, C + vd + nv:]

@@ -85,7 +85,8 @@ def _perturb_down(m):
 @pytest.mark.parametrize("defect", [_skip_layer, _rope_base, _perturb_down],
                          ids=["skip-layer-5", "rope-theta-1e4", "down-proj-5-x1.2"])
 def test_negative_controls_fail_the_check(fast, ref_logits, ids, defect):
-    """Each planted defect must fail the check on d32 (measured after the allowance: d32 max 0.75-8.6 vs the fast path's 0.125)."""
+    """Each planted defect must fail the check on d32 (measured after the allowance: d32 max 0.75-8.6, the fast
+    path's 0.125)."""
     import copy
 
     from host.cpu_fast import agreement
