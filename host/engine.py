@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 from host.errors import EmptyPrompt, EngineError, ExecutorUnavailable, InvalidArgument, ModelLoadError
-from host.executors import Executor, check_kind, cpu_too_large, default_kind, gpu_available, make_executor
+from host.executors import CPU_KINDS, Executor, check_kind, cpu_too_large, default_kind, gpu_available, make_executor
 from host.sampling import check_text
 from host.session import Generation, Session, prepare, render_turn
 from loader.config import PRESETS, ConfigError, ModelConfig
@@ -64,7 +64,7 @@ def _resolve_model(path_or_preset: str | Path | None, seed: int, quiet: bool, ki
     p = Path(path_or_preset)
     if str(path_or_preset) in PRESETS and not p.is_dir():
         name = str(path_or_preset)
-        if kind != "cpu":
+        if kind not in CPU_KINDS:
             d = _synthetic_meta_dir(name, seed)
         elif (why := cpu_too_large(PRESETS[name])) is not None:
             if defaulted:
@@ -134,8 +134,9 @@ class Engine:
              quiet: bool = False) -> "Engine":
         """Open a checkpoint directory or a preset (``tiny``; no argument = tiny) and start an executor.
 
-        ``executor``: ``megakernel`` | ``graph`` | ``cpu``; None = graph when a GPU is present (the faster of the two
-        bit-identical GPU paths, measured), else cpu.
+        ``executor``: ``megakernel`` | ``graph`` | ``cpu`` | ``cpu-vm``; None = graph when a GPU is present (the faster
+        of the two bit-identical GPU paths, measured), else cpu (fast float32 NumPy; ``cpu-vm`` = the bit-exact
+        reference + CPU VM).
         ``capacity``: tokens per session slot, prompt and reply together, at least 2 (vLLM's prompt + generated
         <= max_model_len with a prompt of at least 1 token and at least one generated token); None =
         DEFAULT_CAPACITY (4096), or the model's context (max_position_embeddings) when smaller, as vLLM takes its
@@ -164,7 +165,7 @@ class Engine:
         from loader.tokenizer import Tokenizer, TokenizerError
 
         try:
-            if synthetic is not None and kind != "cpu":
+            if synthetic is not None and kind not in CPU_KINDS:
                 from loader.config import preset
                 from loader.synthetic import SyntheticWeights
 

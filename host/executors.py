@@ -12,7 +12,8 @@ the model for the selected slot. The host loop (``host.session``) only ever call
 
 ``StepOutput.logits`` is the last row's logits [V] bf16 (``None`` when the executor chose the token on the
 device); ``StepOutput.token`` is the device's greedy choice with the padding rows excluded (``None`` when the
-executor returns logits only). The CPU executor returns logits; the GPU executors fuse argmax/top-k into the
+executor returns logits only). The CPU executors (``cpu``: fast float32 NumPy; ``cpu-vm``: the reference and
+the CPU VM, bit-exact) return logits; the GPU executors fuse argmax/top-k into the
 lm_head and return a token (plus logits or top-k when sampling asks for them).
 """
 from __future__ import annotations
@@ -28,8 +29,9 @@ import numpy as np
 from host.errors import ExecutorUnavailable, InvalidArgument
 from loader.config import FIRST_PADDING_ID, ModelConfig
 
-KINDS = ("megakernel", "graph", "cpu")
-# The CPU path is NumPy: fine for the tiny preset, hopeless for 27 GB of weights per token.
+KINDS = ("megakernel", "graph", "cpu", "cpu-vm")
+CPU_KINDS = ("cpu", "cpu-vm")  # cpu: the fast float32 NumPy model; cpu-vm: the reference + CPU VM, bit-exact
+# The CPU paths are NumPy: fine for the tiny preset, hopeless for 27 GB of weights per token.
 CPU_MAX_WEIGHT_BYTES = 2 << 30
 MAX_PREFILL_ROWS = 8  # GPU prefill: eager passes of the M <= 8 verify form (a GEMM prefill comes later)
 
@@ -102,17 +104,100 @@ def default_kind() -> str:
 
 
 def cpu_too_large(cfg: ModelConfig) -> str | None:
-    """Why the cpu executor refuses a model whose weights streamed per token exceed CPU_MAX_WEIGHT_BYTES (a phrase
+    """Why the cpu executors refuse a model whose weights streamed per token exceed CPU_MAX_WEIGHT_BYTES (a phrase
     with the model as subject: "streams ... GiB ..."), or None when it can run it. Checked for a preset before
-    anything is loaded (``Engine.load``) and by CpuExecutor for any checkpoint."""
+    anything is loaded (``Engine.load``) and by both CPU executors for any checkpoint."""
     if cfg.weight_bytes_per_token <= CPU_MAX_WEIGHT_BYTES:
         return None
     return (f"streams {cfg.weight_bytes_per_token / 2**30:.1f} GiB of weights per token, over the cpu executor's "
             f"limit of {CPU_MAX_WEIGHT_BYTES >> 30} GiB (its NumPy path is meant for the tiny preset)")
 
 
+def _check_cpu_size(cfg: ModelConfig, kind: str) -> None:
+    if (why := cpu_too_large(cfg)) is not None:
+        raise ExecutorUnavailable(f"{kind} executor: model {cfg.name!r} {why}. Use --executor graph or megakernel "
+                                  "on a GPU.")
+
+
 class CpuExecutor(Executor):
-    """Runs the model on the CPU with the NumPy reference (``assembler.ref.model.ReferenceModel``).
+    """The default CPU path: the float32 NumPy model of ``host.cpu_fast.FastModel`` (weights widened once at load,
+    fp8 × block scale dequantised to float32, BLAS matmuls; about 0.31 GB for tiny, lm_head 254 MB of it).
+
+    Prefill: chunked GDN (chunks of 64 anchored at the call's first token), lm_head on the last row only. Decode:
+    the recurrent GDN step and one softmax over the cache per token. Not bit-identical to the reference: every
+    sum is float32 instead of the reference's float64, at the same bf16 rounding points; it agrees with
+    ``ReferenceModel`` within the tolerance of ``tests/cpu/test_cpu_fast.py``. For bit identity with the
+    reference use the ``cpu-vm`` executor (CpuVmExecutor). Logits come back as bf16 [V] (padding rows included;
+    the host masks them). Slots: a ``FastState`` each, allocated at a slot's first reset and cleared in place
+    after. Raises ExecutorUnavailable for a model whose weights are too large for NumPy
+    (> CPU_MAX_WEIGHT_BYTES streamed per token).
+    """
+
+    name = "cpu"
+
+    def __init__(self, weights, capacity: int, slots: int = 4):
+        from host.cpu_fast import FastModel
+
+        cfg: ModelConfig = weights.config
+        _check_cpu_size(cfg, self.name)
+        self.cfg, self.capacity, self.slots = cfg, int(capacity), int(slots)
+        t0 = time.perf_counter()
+        self.model = FastModel(weights)
+        self.load_s = time.perf_counter() - t0
+        self._states: list[Any] = [None] * self.slots
+        self._cur = 0
+        self.detail = (f"cpu: float32 NumPy model (chunked GDN prefill, chunk 64; recurrent decode step), weights "
+                       f"widened in {self.load_s:.1f} s")
+
+    def reset(self, slot: int = 0) -> None:
+        self._check_slot(slot)
+        if self._states[slot] is None:
+            self._states[slot] = self.model.new_state(self.capacity)
+        else:
+            self._states[slot].clear()
+        self._cur = slot
+
+    def select(self, slot: int) -> None:
+        self._check_slot(slot)
+        self._cur = slot
+
+    @property
+    def _state(self):
+        st = self._states[self._cur]
+        if st is None:
+            raise RuntimeError(f"{self.name} executor: slot {self._cur} used before reset()")
+        return st
+
+    @property
+    def position(self) -> int:
+        return int(self._state.pos)
+
+    def prefill(self, ids: Sequence[int]) -> StepOutput:
+        ids = np.asarray(ids, dtype=np.int64)
+        return StepOutput(logits=self.model.prefill(self._state, ids, logit_rows=[len(ids) - 1])[-1])
+
+    def step(self, token: int) -> StepOutput:
+        return StepOutput(logits=self.model.decode(self._state, [int(token)])[-1])
+
+    def state_snapshot(self) -> Any:
+        """Copies of the GDN conv + recurrent state and the position; KV rows below the position are never
+        rewritten later, so they are not copied."""
+        st = self._state
+        return {"pos": st.pos, "conv": {i: a.copy() for i, a in st.conv.items()},
+                "rec": {i: a.copy() for i, a in st.rec.items()}}
+
+    def state_restore(self, snap: Any) -> None:
+        st = self._state
+        st.pos = snap["pos"]
+        st.conv = {i: a.copy() for i, a in snap["conv"].items()}
+        st.rec = {i: a.copy() for i, a in snap["rec"].items()}
+        st.hidden = None
+
+
+class CpuVmExecutor(Executor):
+    """The ``cpu-vm`` executor: the model on the CPU with the NumPy reference (``assembler.ref.model.ReferenceModel``),
+    bit-identical to it (verification and tests; about 0.4-1.5 s per token for tiny; the default CPU path is
+    CpuExecutor).
 
     Prefill: the reference's chunked prefill (GDN chunks of 64 anchored at the call's first token).
     Decode (``decode="vm"``, the default): the assembled decode program run by the CPU VM
@@ -125,15 +210,13 @@ class CpuExecutor(Executor):
     (> CPU_MAX_WEIGHT_BYTES streamed per token).
     """
 
-    name = "cpu"
+    name = "cpu-vm"
 
     def __init__(self, weights, capacity: int, slots: int = 4, decode: str = "vm", vm_sms: int = 1):
         from assembler.ref.model import ReferenceModel
 
         cfg: ModelConfig = weights.config
-        if (why := cpu_too_large(cfg)) is not None:
-            raise ExecutorUnavailable(f"cpu executor: model {cfg.name!r} {why}. Use --executor graph or megakernel "
-                                      "on a GPU.")
+        _check_cpu_size(cfg, self.name)
         self.cfg = cfg
         self.capacity = int(capacity)
         self.slots = int(slots)
@@ -141,7 +224,7 @@ class CpuExecutor(Executor):
         self._states: list[Any] = [None] * self.slots
         self._cur = 0
         if decode not in ("vm", "reference"):
-            raise ValueError(f"cpu executor: decode must be 'vm' or 'reference', got {decode!r}")
+            raise ValueError(f"cpu-vm executor: decode must be 'vm' or 'reference', got {decode!r}")
         self.vm = None
         if decode == "vm":
             from assembler.graph import decode_graph
@@ -154,7 +237,7 @@ class CpuExecutor(Executor):
             step = f"CPU VM decode program ({vm_sms} SM)"
         else:
             step = "reference decode step"
-        self.detail = f"cpu: NumPy reference prefill (chunked GDN, chunk 64) + {step}"
+        self.detail = f"cpu-vm: NumPy reference prefill (chunked GDN, chunk 64) + {step}"
 
     def reset(self, slot: int = 0) -> None:
         self._check_slot(slot)
@@ -169,7 +252,7 @@ class CpuExecutor(Executor):
     def _state(self):
         st = self._states[self._cur]
         if st is None:
-            raise RuntimeError(f"cpu executor: slot {self._cur} used before reset()")
+            raise RuntimeError(f"cpu-vm executor: slot {self._cur} used before reset()")
         return st
 
     @property
@@ -206,7 +289,7 @@ def check_kind(kind: str) -> None:
     device is present (else ExecutorUnavailable)."""
     if kind not in KINDS:
         raise InvalidArgument(f"executor: expected one of {', '.join(KINDS)}, got {kind!r}")
-    if kind != "cpu":
+    if kind not in CPU_KINDS:
         ok, why = gpu_available()
         if not ok:
             raise ExecutorUnavailable(
@@ -337,6 +420,6 @@ class MegakernelExecutor(GraphExecutor):
 def make_executor(kind: str, weights, capacity: int, slots: int = 4) -> Executor:
     """Build the executor ``kind`` (one of KINDS) for ``weights`` (a WeightSource). Raises InvalidArgument for an
     unknown kind, ExecutorUnavailable for one that cannot run here."""
-    table = {"cpu": CpuExecutor, "graph": GraphExecutor, "megakernel": MegakernelExecutor}
+    table = {"cpu": CpuExecutor, "cpu-vm": CpuVmExecutor, "graph": GraphExecutor, "megakernel": MegakernelExecutor}
     check_kind(kind)
     return table[kind](weights, capacity, slots)

@@ -71,7 +71,7 @@ def test_generation_text(text_layer):
 # ---------------------------------------------------------------------------------------------- executor name
 def test_unknown_executor_is_an_invalid_argument(tiny_ckpt, tmp_path):
     for where in (tiny_ckpt, tmp_path / "absent"):                   # checked before the model is opened
-        with pytest.raises(InvalidArgument, match=r"executor: expected one of megakernel, graph, cpu, got 'tpu'") as e:
+        with pytest.raises(InvalidArgument, match=r"executor: expected one of megakernel, graph, cpu, cpu-vm, got 'tpu'") as e:
             Engine.load(where, executor="tpu")
         assert not isinstance(e.value, ExecutorUnavailable)
 

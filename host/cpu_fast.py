@@ -1,0 +1,374 @@
+"""The fast CPU model: the Qwen3.5 text decoder in float32 NumPy with BLAS matmuls (the ``cpu`` executor).
+
+Same model, same rounding points as the reference (``assembler/ref``: every op output rounded to bf16 where the
+reference rounds it, fp32 where it keeps fp32), but every sum is a float32 BLAS or NumPy reduction instead of the
+reference's float64 sums rounded once. It is therefore not bit-identical to the reference: it agrees with it
+within the tolerance of ``agreement`` (docs/tolerance.md, tests/cpu/test_cpu_fast.py: bf16-ulp-level logits,
+near-tie top-1 flips only). Why not the reference ops with float32 inputs: they check bf16/fp8 input dtypes and
+compute in float64 with per-128-block split-K (the engine's bit definition), which is what makes them slow.
+
+Layout: every activation is a float32 array holding bf16 values (``rb`` rounds to the nearest bf16, RNE, in
+place of a dtype change). Weights are widened ONCE at construction: fp8 e4m3 × its 128×128 block scale is exact
+in float32 (4 + 8 significant bits), bf16 widens exactly; fused row blocks as the engine streams them
+(GDN qkv|z|b|a, attention q|k|v, MLP gate|up). About 4 B per parameter: 0.31 GB for tiny, lm_head 254 MB of it.
+Prefill: chunked gated delta rule (chunks of 64 anchored at the call's first token, the 64-aligned cut of
+``ReferenceModel.prefill``), one causal softmax per query row. Decode: the recurrent rule per token, one softmax
+over the cache (the reference's split-KV two passes are the same function up to summation order).
+No MTP head (the executor never drafts).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from assembler.numerics import GDN_CHUNK
+from assembler.ref.attention import rope_cos_sin
+from assembler.ref.numerics import BF16, f32
+from loader.config import ModelConfig
+
+F32 = np.float32
+
+# Tolerance against the reference (``agreement``; tests/cpu/test_cpu_fast.py): the oracle's self-disagreement
+# envelope of docs/tolerance.md, i.e. the fast path may differ from the reference no more than the transformers
+# oracle's two paths differ from each other (``Envelope.calibrate`` over tests/golden; a test keeps these equal).
+D32_BOUNDS = {"max": 0.375, "p99": 0.25, "p50": 0.125, "mean": 0.140625}   # logit units, after 1 ulp allowance
+TIE_MARGIN = 0.25                                                           # margins ≤ this + 1 ulp are near-ties
+
+
+def rb(x: np.ndarray) -> np.ndarray:
+    """Round a float32 array to bf16 values (RNE), kept as float32: the bits of ``x.astype(bfloat16)`` widened.
+    Quiet NaN and ±inf pass through; finite values past the bf16 range become ±inf."""
+    x = np.ascontiguousarray(x, dtype=F32)
+    u = x.view(np.uint32)
+    r = u >> 16
+    r &= 1
+    r += 0x7FFF
+    r += u
+    r &= 0xFFFF0000
+    return r.view(F32)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (F32(1.0) + np.exp(-x))
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return F32(1.0) / (F32(1.0) + np.exp(-x))
+
+
+def rmsnorm(x: np.ndarray, w1: np.ndarray, eps: float) -> np.ndarray:
+    """Zero-centred RMSNorm: rb(x · rsqrt(mean x² + eps) · w1), w1 = 1 + w (precomputed). x [..., D] → same."""
+    inv = F32(1.0) / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + F32(eps))
+    return rb(x * inv * w1)
+
+
+def dequantize_f32(w: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
+    """Stored weight [N, K] (fp8 e4m3 with bf16 scale [ceil(N/128), K/128], or bf16 with None) → float32 [N, K],
+    exact: fp32(w) · fp32(scale[n // 128, k // 128])."""
+    wf = f32(w)
+    if scale is None:
+        return np.ascontiguousarray(wf)
+    s = np.repeat(np.repeat(f32(scale), 128, axis=0), 128, axis=1)[:wf.shape[0], :wf.shape[1]]
+    return np.ascontiguousarray(wf * s)
+
+
+@dataclass
+class FastState:
+    """One session slot: K, V per full-attention layer [n_kv, capacity, head_dim] float32 (bf16 values; NaN at
+    rows ≥ the high-water mark ``hw``), conv [kernel−1, conv_dim] float32 (oldest first, bf16 values) and rec
+    [n_v, d_k, d_v] float32 per GDN layer, ``pos`` tokens processed, ``hidden`` final-normed rows of the last call."""
+
+    capacity: int
+    pos: int = 0
+    hw: int = 0
+    k: dict = field(default_factory=dict)
+    v: dict = field(default_factory=dict)
+    conv: dict = field(default_factory=dict)
+    rec: dict = field(default_factory=dict)
+    hidden: np.ndarray | None = None
+
+    def clear(self) -> None:
+        """Back to an empty state in place (NaN over the rows written since the last clear, zeros elsewhere)."""
+        for d in (self.k, self.v):
+            for a in d.values():
+                a[:, :self.hw] = np.nan
+        for d in (self.conv, self.rec):
+            for a in d.values():
+                a[...] = 0
+        self.pos = self.hw = 0
+        self.hidden = None
+
+
+class FastModel:
+    """float32 model over a WeightSource (``.config``, ``.get(name)``); ``rope_theta`` overrides the config's RoPE
+    base (negative controls). ``skip_layers``: layer indices run as identity (negative controls only)."""
+
+    def __init__(self, weights, rope_theta: float | None = None, skip_layers=()):
+        c: ModelConfig = weights.config
+        self.cfg, self.theta, self.skip = c, rope_theta, frozenset(skip_layers)
+        self._src = weights
+        self.embed_table = np.asarray(weights.get("model.embed_tokens.weight"))   # [V, H] bf16, gathered per call
+        self.lm_head = self._lin("lm_head")                                       # [V, H] float32
+        self.final_norm = self._norm("model.norm.weight")
+        self.layers = [self._layer(f"model.layers.{i}.", i in c.linear_layers) for i in range(c.num_hidden_layers)]
+
+    # ------------------------------------------------------------------ weights (widened once)
+    def _get(self, name: str) -> np.ndarray:
+        return np.asarray(self._src.get(name))
+
+    def _lin(self, *names: str) -> np.ndarray:
+        """Fused rows of the named projections, float32 [ΣN, K]."""
+        ws = []
+        for n in names:
+            w = self._get(n + ".weight")
+            ws.append(dequantize_f32(w, None if w.dtype == BF16 else self._get(n + ".weight_scale_inv")))
+        return ws[0] if len(ws) == 1 else np.ascontiguousarray(np.concatenate(ws))
+
+    def _norm(self, name: str) -> np.ndarray:
+        return F32(1.0) + f32(self._get(name))                                   # (1 + w) of Qwen3_5RMSNorm
+
+    def _layer(self, p: str, linear: bool) -> dict:
+        c = self.cfg
+        L = {"in_norm": self._norm(p + "input_layernorm.weight"),
+             "post_norm": self._norm(p + "post_attention_layernorm.weight"),
+             "gate_up": self._lin(p + "mlp.gate_proj", p + "mlp.up_proj"), "down": self._lin(p + "mlp.down_proj")}
+        if linear:
+            a = p + "linear_attn."
+            L["in"] = self._lin(*(a + n for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")))
+            L["out"] = self._lin(a + "out_proj")
+            L["conv_w"] = np.ascontiguousarray(f32(self._get(a + "conv1d.weight")).reshape(c.gdn_conv_dim, -1).T)  # [kw, C]
+            L["A"] = -np.exp(f32(self._get(a + "A_log")))
+            L["dt_bias"] = f32(self._get(a + "dt_bias"))
+            L["gnorm"] = f32(self._get(a + "norm.weight"))                       # plain w (RMSNormGated)
+        else:
+            a = p + "self_attn."
+            L["in"] = self._lin(a + "q_proj", a + "k_proj", a + "v_proj")
+            L["out"] = self._lin(a + "o_proj")
+            L["q_norm"], L["k_norm"] = self._norm(a + "q_norm.weight"), self._norm(a + "k_norm.weight")
+        return L
+
+    # ------------------------------------------------------------------ state
+    def new_state(self, capacity: int) -> FastState:
+        """Empty state for up to ``capacity`` tokens. Raises ValueError for capacity < 1, MemoryError from NumPy."""
+        c = self.cfg
+        if capacity < 1:
+            raise ValueError(f"FastModel.new_state: capacity must be >= 1, got {capacity}")
+        st = FastState(int(capacity))
+        for i in c.full_layers:
+            st.k[i], st.v[i] = (np.full((c.num_key_value_heads, capacity, c.head_dim), np.nan, F32) for _ in "kv")
+        for i in c.linear_layers:
+            st.conv[i] = np.zeros((c.linear_conv_kernel_dim - 1, c.gdn_conv_dim), F32)
+            st.rec[i] = np.zeros((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim), F32)
+        return st
+
+    # ------------------------------------------------------------------ mixers
+    def _gdn(self, L: dict, st: FastState, li: int, h: np.ndarray, path: str) -> np.ndarray:
+        c = self.cfg
+        T = h.shape[0]
+        kd, vd, nv = c.gdn_key_dim, c.gdn_value_dim, c.linear_num_value_heads
+        nk, dk = c.linear_num_key_heads, c.linear_key_head_dim
+        C = c.gdn_conv_dim
+        y = rb(h @ L["in"].T)                                                    # [T, C | vd | nv | nv]
+        qkv, z, b, a = y[:, :C], y[:, C:C + vd], y[:, C + vd:C + vd + nv], y[:, C + vd + nv:]
+        seq = np.concatenate([st.conv[li], qkv])                                 # [kw-1+T, C] oldest first
+        w, kw = L["conv_w"], L["conv_w"].shape[0]
+        acc = seq[0:T] * w[0]
+        for j in range(1, kw):
+            acc += seq[j:j + T] * w[j]
+        st.conv[li] = np.ascontiguousarray(seq[-(kw - 1):])
+        y = rb(silu(rb(acc)))
+        xa = a + L["dt_bias"]
+        g = L["A"] * np.where(xa > 20.0, xa, np.log1p(np.exp(np.minimum(xa, F32(20.0)))))   # [T, nv] fp32
+        beta = rb(sigmoid(b))
+
+        def l2(x):
+            return x * (F32(1.0) / np.sqrt((x * x).sum(-1, keepdims=True) + F32(1e-6)))
+        q, k = l2(y[:, :kd].reshape(T, nk, dk)), l2(y[:, kd:2 * kd].reshape(T, nk, dk))
+        q = q / F32(dk ** 0.5) if path == "step" else q * F32(dk ** -0.5)        # the two torch rules differ here
+        rep = c.gdn_head_group
+        q, k = np.repeat(q, rep, axis=1), np.repeat(k, rep, axis=1)              # value head j <- key head j // rep
+        v = y[:, 2 * kd:].reshape(T, nv, c.linear_value_head_dim)
+        if path == "chunk":
+            o, st.rec[li] = gdn_chunked(q, k, v, g, beta, st.rec[li], GDN_CHUNK)
+        else:
+            S, outs = st.rec[li], []
+            for t in range(T):
+                S *= np.exp(g[t])[:, None, None]
+                kv = np.matmul(k[t][:, None, :], S)[:, 0]                        # [nv, dv]
+                delta = (v[t] - kv) * beta[t][:, None]
+                S += k[t][:, :, None] * delta[:, None, :]
+                outs.append(np.matmul(q[t][:, None, :], S)[:, 0])
+            o = rb(np.stack(outs))
+        n = rb(o * (F32(1.0) / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + F32(c.rms_norm_eps))))
+        n = rb(L["gnorm"] * n)
+        return rb(n * silu(z.reshape(T, nv, -1))).reshape(T, vd)
+
+    def _attn(self, L: dict, st: FastState, li: int, h: np.ndarray, pos0: int, cs) -> np.ndarray:
+        c = self.cfg
+        T = h.shape[0]
+        nq, nkv, hd, G = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.gqa_group
+        y = rb(h @ L["in"].T)                                                    # [T, 2·nq·hd | nkv·hd | nkv·hd]
+        qh = y[:, :2 * nq * hd].reshape(T, nq, 2 * hd)
+        gate = qh[..., hd:].reshape(T, nq * hd)
+        kv0 = 2 * nq * hd
+        q = _rope(rmsnorm(qh[..., :hd], L["q_norm"], c.rms_norm_eps), *cs)
+        k = _rope(rmsnorm(y[:, kv0:kv0 + nkv * hd].reshape(T, nkv, hd), L["k_norm"], c.rms_norm_eps), *cs)
+        K, V, end = st.k[li], st.v[li], pos0 + T
+        K[:, pos0:end] = k.transpose(1, 0, 2)
+        V[:, pos0:end] = y[:, kv0 + nkv * hd:].reshape(T, nkv, hd).transpose(1, 0, 2)
+        st.hw = max(st.hw, end)
+        scale = F32(hd ** -0.5)
+        future = (np.arange(end)[None, :] > (pos0 + np.arange(T))[:, None])[:, None, :]  # [T, 1, L] keys after t
+        o = np.empty((T, nq, hd), F32)
+        for kh in range(nkv):
+            qg = q[:, kh * G:(kh + 1) * G].reshape(T * G, hd)                    # rows (t, g)
+            s = rb(rb(qg @ K[kh, :end].T) * scale).reshape(T, G, end)
+            if T > 1:
+                s = np.where(future, -np.inf, s).astype(F32)
+            e = np.exp(s - s.max(-1, keepdims=True))
+            p = rb(e / e.sum(-1, keepdims=True)).reshape(T * G, end)
+            o[:, kh * G:(kh + 1) * G] = rb(p @ V[kh, :end]).reshape(T, G, hd)
+        return rb(o.reshape(T, nq * hd) * rb(sigmoid(gate)))
+
+    # ------------------------------------------------------------------ the model
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        """lm_head on final-normed rows [M, H] float32 → logits [M, V] bf16."""
+        return (hidden @ self.lm_head.T).astype(BF16)
+
+    def forward(self, st: FastState, ids, path: str, logit_rows=None) -> np.ndarray | None:
+        """Run ids [T] at positions st.pos.. through every layer; ``path`` 'chunk' (prefill) or 'step' (recurrent
+        GDN per token). Returns logits [len(logit_rows) or T, V] bf16, or None for ``logit_rows="none"``; the
+        final-normed rows stay in ``st.hidden``. Raises ValueError for no ids, ids outside [0, V), or a position
+        past the capacity."""
+        c = self.cfg
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size < 1 or ids.min() < 0 or ids.max() >= self.embed_table.shape[0]:
+            raise ValueError(f"forward: need 1+ ids in [0, {self.embed_table.shape[0]}), got {ids[:8]}...")
+        pos0, T, eps = st.pos, ids.size, c.rms_norm_eps
+        if pos0 + T > st.capacity:
+            raise ValueError(f"forward: capacity {st.capacity} exceeded at position {pos0 + T}")
+        cos, sin = rope_cos_sin(np.arange(pos0, pos0 + T), c, self.theta)
+        cs = (f32(cos)[:, None, :], f32(sin)[:, None, :])
+        x = f32(self.embed_table[ids])
+        with np.errstate(over="ignore"):                                         # exp(-x) → inf in silu/sigmoid is fine
+            for li, L in enumerate(self.layers):
+                if li in self.skip:
+                    continue
+                hn = rmsnorm(x, L["in_norm"], eps)
+                if li in c.linear_layers:
+                    o = self._gdn(L, st, li, hn, path)
+                else:
+                    o = self._attn(L, st, li, hn, pos0, cs)
+                x = rb(rb(o @ L["out"].T) + x)
+                gu = rmsnorm(x, L["post_norm"], eps) @ L["gate_up"].T
+                F = gu.shape[1] // 2
+                h = rb(rb(silu(rb(gu[:, :F]))) * rb(gu[:, F:]))
+                x = rb(rb(h @ L["down"].T) + x)
+        st.pos = pos0 + T
+        st.hidden = rmsnorm(x, self.final_norm, eps)
+        if isinstance(logit_rows, str) and logit_rows == "none":
+            return None
+        return self.logits(st.hidden if logit_rows is None else st.hidden[np.asarray(logit_rows)])
+
+    def prefill(self, st: FastState, ids, logit_rows=None) -> np.ndarray | None:
+        """Prompt path over T tokens (chunked GDN) → logits [T, V] bf16 (``logit_rows`` only when given). A call
+        starting on a multiple of 64 is cut at the last multiple of 64 it reaches, as ``ReferenceModel.prefill``,
+        so a re-run from a 64-aligned snapshot sees the same chunks (and bits) as one pass."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        hs = []
+        if st.pos % GDN_CHUNK == 0:
+            cut = ((st.pos + ids.size) // GDN_CHUNK) * GDN_CHUNK - st.pos
+            if 0 < cut < ids.size:
+                self.forward(st, ids[:cut], "chunk", "none")
+                hs.append(st.hidden)
+                ids = ids[cut:]
+        self.forward(st, ids, "chunk", "none")
+        st.hidden = np.concatenate(hs + [st.hidden])
+        if isinstance(logit_rows, str) and logit_rows == "none":
+            return None
+        return self.logits(st.hidden if logit_rows is None else st.hidden[np.asarray(logit_rows)])
+
+    def decode(self, st: FastState, ids) -> np.ndarray:
+        """Generation path: ids [M] (a scalar is M = 1) at positions st.pos.. → logits [M, V] bf16."""
+        return self.forward(st, ids, "step")
+
+
+def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x [T, heads, hd] (bf16 values); cos/sin [T, 1, rd]. rb(rb(x·cos) + rb(rotate_half(x)·sin)) on dims < rd."""
+    rd = cos.shape[-1]
+    half = rd // 2
+    xr = x[..., :rd]
+    rot = np.concatenate([-xr[..., half:], xr[..., :half]], -1)
+    return np.concatenate([rb(rb(xr * cos) + rb(rot * sin)), x[..., rd:]], -1)
+
+
+def gdn_chunked(q, k, v, g, beta, S0, chunk: int = GDN_CHUNK):
+    """Chunked gated delta rule in float32 (WY/UT form of ``assembler.ref.gdn.gdn_prefill_chunked``; chunks anchored
+    at the first token, T zero-padded to a multiple of ``chunk``). q, k [T, H, d_k] (l2-normed, q scaled), v
+    [T, H, d_v] (bf16 values), g [T, H], beta [T, H] float32; S0 [H, d_k, d_v] float32 (not modified).
+    Returns (o [T, H, d_v] float32 bf16 values, S [H, d_k, d_v] float32)."""
+    T, H, dk = k.shape
+    pad = (-T) % chunk
+    n = (T + pad) // chunk
+
+    def blocks(x):                                                               # [T, H, ...] → [H, n, chunk, ...]
+        x = np.moveaxis(x, 0, 1)
+        x = np.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return np.ascontiguousarray(x.reshape(H, n, chunk, *x.shape[2:]))
+    qf, kf, vf, bf, gf = (blocks(a) for a in (q, k, v, beta, g))
+    kb = kf * bf[..., None]
+    cum = np.cumsum(gf, axis=-1, dtype=F32)                                      # [H, n, chunk]
+    lower = np.tril(np.ones((chunk, chunk), bool))
+    D = np.where(lower, np.exp(np.where(lower, cum[..., :, None] - cum[..., None, :], F32(0))), F32(0))
+    kT = np.swapaxes(kf, -1, -2)
+    A = (kb @ kT) * D                                                            # only its strict lower part is used
+    intra = (qf @ kT) * D
+    ecum = np.exp(cum)
+    UW = np.concatenate([vf * bf[..., None], kb * ecum[..., None]], -1)         # solve (I + strict_lower A) X = B
+    for i in range(1, chunk):                                                    # forward substitution, as the reference
+        UW[..., i, :] -= (A[..., i:i + 1, :i] @ UW[..., :i, :])[..., 0, :]
+    dv = vf.shape[-1]
+    U, W = UW[..., :dv], UW[..., dv:]
+    qd = qf * ecum[..., None]
+    kdT = np.swapaxes(kf * np.exp(cum[..., -1:] - cum)[..., None], -1, -2)       # [H, n, d_k, chunk]
+    cdec = ecum[..., -1]                                                         # [H, n]
+    S = S0.copy()
+    out = np.empty_like(U)
+    for i in range(n):
+        vn = U[:, i] - W[:, i] @ S
+        out[:, i] = qd[:, i] @ S + intra[:, i] @ vn
+        S = S * cdec[:, i, None, None] + kdT[:, i] @ vn
+    o = out.reshape(H, n * chunk, dv)[:, :T]
+    return rb(np.moveaxis(o, 0, 1)), S
+
+
+def agreement(cand: np.ndarray, ref: np.ndarray) -> tuple[dict, list[str]]:
+    """Score candidate logits against reference logits, both [T, V] (any float dtype; bf16 values), per position:
+    d32 = max |cand − ref| over the reference's top-32 ids, reduced by one bf16 ulp of the reference's top-1 logit
+    (docs/tolerance.md); top-1 = full-vocabulary argmax equal (lowest id on ties). Fails when a d32 statistic
+    (max, p99, p50, mean) exceeds D32_BOUNDS or the argmax differs at a position whose reference top-1/top-2
+    margin exceeds TIE_MARGIN + 1 ulp (near-ties may flip). Returns (stats, failure messages): stats has the
+    d32 statistics, ``top1`` (agreement rate), ``max_abs`` (full-vocabulary max |cand − ref|), ``positions``,
+    ``flip_margins`` (reference margins where the argmax differs)."""
+    from assembler.ref.envelope import _stats, _ulp
+
+    c, r = f32(cand).reshape(-1, cand.shape[-1]), f32(ref).reshape(-1, ref.shape[-1])
+    if c.shape != r.shape:
+        raise ValueError(f"agreement: candidate logits {c.shape} and reference logits {r.shape} differ in shape")
+    top = np.argsort(-r, axis=-1, kind="stable")[:, :32]
+    tv = np.take_along_axis(r, top, -1)
+    ulp = _ulp(tv[:, 0])
+    d32 = np.maximum(np.abs(np.take_along_axis(c, top, -1) - tv).max(-1) - ulp, 0)
+    st = _stats(d32)
+    margin = tv[:, 0] - tv[:, 1]
+    agree = c.argmax(-1) == r.argmax(-1)
+    stats = {**{f"d32_{k}": v for k, v in st.items()}, "top1": float(agree.mean()),
+             "max_abs": float(np.abs(c - r).max()), "positions": int(agree.size),
+             "flip_margins": [float(m) for m in margin[~agree]]}
+    fails = [f"d32 {k} (less 1 ulp) {st[k]:.4g} > bound {D32_BOUNDS[k]:.4g}" for k in D32_BOUNDS if st[k] > D32_BOUNDS[k]]
+    bad = np.flatnonzero(~agree & (margin > TIE_MARGIN + ulp))
+    if bad.size:
+        fails.append(f"top-1 differs at {bad.size} clear positions (reference margin > tie bound), first t="
+                     f"{bad[:5].tolist()} margins {margin[bad[:5]].tolist()}")
+    return stats, fails
