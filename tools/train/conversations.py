@@ -10,6 +10,7 @@ arguments and results are consistent. ``generate(n, seed)`` is a pure function o
 """
 from __future__ import annotations
 
+import ast
 import importlib
 import json
 import os
@@ -100,6 +101,22 @@ class _Files:
                 continue
             pub = sorted(a for a in dir(mod) if not a.startswith("_") and callable(getattr(mod, a, None)))
             self.names += [f"{m}.{a}" for a in pub if _doc_first_line(f"{m}.{a}")]
+        from tools.train.corpus import held_out
+        self.funcs: list[tuple[str, str, str]] = []  # (file, signature line, source) of training-split files only
+        for p in self.files:
+            if held_out(p.relative_to(STDLIB).as_posix()):
+                continue
+            try:
+                src = p.read_text(encoding="utf-8")
+                tree = ast.parse(src)
+            except (UnicodeDecodeError, SyntaxError, ValueError):
+                continue
+            lines = src.splitlines()
+            for node in tree.body:
+                if isinstance(node, ast.FunctionDef) and 3 <= node.end_lineno - node.lineno + 1 <= 30:
+                    body = "\n".join(lines[node.lineno - 1: node.end_lineno])
+                    if body.startswith("def "):
+                        self.funcs.append((p.name, lines[node.lineno - 1], body))
 
 
 def _call(fn: str, **args) -> dict:
@@ -234,7 +251,18 @@ def _conv_plain(r, f):
     return ([DOC] if r.random() < 0.5 else None), msgs
 
 
-KINDS = [(_conv_calc, 3), (_conv_two_calcs, 1), (_conv_read, 2), (_conv_list, 1), (_conv_doc, 2), (_conv_json, 2),
+def _conv_code(r, f):
+    fn, sig, src = r.choice(f.funcs)
+    name = sig[4:].split("(")[0]
+    q = r.choice([sig, sig, f"Write {name}() in Python.", f"Complete this function:\n\n```python\n{sig}\n```",
+                  f"How does {name} in lib/{fn} look?"])
+    msgs = [{"role": "user", "content": q},
+            {"role": "assistant", "content": f"```python\n{src}\n```",
+             "reasoning_content": _think(r, "Write the function.")}]
+    return ([READ] if r.random() < 0.3 else None), msgs
+
+
+KINDS = [(_conv_code, 4), (_conv_calc, 3), (_conv_two_calcs, 1), (_conv_read, 2), (_conv_list, 1), (_conv_doc, 2), (_conv_json, 2),
          (_conv_store, 1), (_conv_weather, 2), (_conv_plain, 1)]
 
 

@@ -158,9 +158,13 @@ def e4m3_rows(E: torch.Tensor):
     return q, k.to(torch.int8)
 
 
+FP8_SUFFIXES = ("in_proj_qkv.weight", "in_proj_z.weight", "out_proj.weight", "q_proj.weight", "k_proj.weight",
+                "v_proj.weight", "o_proj.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
+
 def is_fp8(name: str, p: torch.Tensor) -> bool:
-    return p.ndim == 2 and name.endswith("_proj.weight") and not any(
-        s in name for s in ("in_proj_a", "in_proj_b")) and p.shape[0] % 128 == 0 and p.shape[1] % 128 == 0
+    """Whether the checkpoint stores ``name`` as block-scaled e4m3 (spec §5's list)."""
+    return p.ndim == 2 and name.endswith(FP8_SUFFIXES)
 
 
 def export_state(net: Net):
