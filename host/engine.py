@@ -23,6 +23,7 @@ from host.executors import CPU_KINDS, Executor, check_kind, cpu_too_large, defau
 from host.sampling import check_text
 from host.session import Generation, Session, prepare, render_turn
 from loader.config import PRESETS, ConfigError, ModelConfig
+from loader.trained import DEFAULT_MODEL, TRAINED
 
 DEFAULT_CAPACITY = 4096  # tokens per session slot unless the caller asks otherwise
 DEFAULT_SLOTS = 4
@@ -53,15 +54,25 @@ def synthetic_marker(d: Path) -> str | None:
 
 def _resolve_model(path_or_preset: str | Path | None, seed: int, quiet: bool, kind: str,
                    defaulted: bool) -> tuple[Path, str | None]:
-    """(directory, preset) for a path or a preset name. A preset's weights are synthetic: on the CPU the tiny
+    """(directory, preset) for a path, a trained model's name or a preset name. A trained model is expanded into
+    the cache once (``loader.trained.ensure_checkpoint``) and returned as (directory, None). A preset's weights are
+    synthetic: on the CPU the tiny
     checkpoint is written once into the cache and read back; on a GPU no weight file is written at all (the
     directory holds config and tokenizer files; the executor materialises the weights in GPU memory).
     A preset too large for the cpu executor (``cpu_too_large``) raises ExecutorUnavailable before anything is
     written: the preset is valid, the executor cannot run it (``defaulted``: the cpu executor was chosen because
     there is no GPU, and the message says so)."""
     if path_or_preset is None:
-        path_or_preset = "tiny"
+        path_or_preset = DEFAULT_MODEL
     p = Path(path_or_preset)
+    if str(path_or_preset) in TRAINED and not p.is_dir():  # a trained model: expanded into the cache once
+        from loader.trained import ensure_checkpoint as ensure_trained
+        name = str(path_or_preset)
+
+        def log(msg: str) -> None:
+            if not quiet:
+                print(f"qwen-mk: {name}: {msg}", file=sys.stderr)
+        return Path(ensure_trained(name, log=log)), None
     if str(path_or_preset) in PRESETS and not p.is_dir():
         name = str(path_or_preset)
         if kind not in CPU_KINDS:
@@ -132,7 +143,8 @@ class Engine:
     def load(cls, path_or_preset: str | Path | None = None, executor: str | None = None, *,
              capacity: int | None = None, slots: int = DEFAULT_SLOTS, seed: int = 0,
              quiet: bool = False) -> "Engine":
-        """Open a checkpoint directory or a preset (``tiny``; no argument = tiny) and start an executor.
+        """Open a checkpoint directory, a trained model (``qwen3.5-tiny-trained``, ``loader.trained``; the default when
+        no argument is given) or a synthetic preset (``tiny``, ``qwen3.5-27b``) and start an executor.
 
         ``executor``: ``megakernel`` | ``graph`` | ``cpu`` | ``cpu-vm``; None = graph when a GPU is present (the faster
         of the two bit-identical GPU paths, measured), else cpu (fast float32 NumPy; ``cpu-vm`` = the bit-exact

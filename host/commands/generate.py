@@ -20,6 +20,8 @@ from host.errors import EngineError, GenerationInterrupted, IgnoredArgumentWarni
 from host.executors import KINDS
 from host.limits import DEFAULT_MAX_NEW_TOKENS, EPS_TEXT, SAMPLING_EPS
 from loader.config import PRESETS
+from loader.trained import DEFAULT_MODEL, TRAINED
+from loader.trained import config as trained_config
 
 
 
@@ -31,8 +33,9 @@ def model_options(f):
                           "at least 1 token and one generated token).")(f)
     f = click.option("--executor", type=click.Choice(KINDS), default=None,
                      help="Default: graph when a GPU is present (faster today), else cpu.")(f)
-    f = click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None,
-                     help="Synthetic checkpoint of a preset (default tiny when --model is absent).")(f)
+    f = click.option("--preset", type=click.Choice(sorted([*PRESETS, *TRAINED])), default=None,
+                     help=f"A trained model or the synthetic checkpoint of a preset (default {DEFAULT_MODEL} when "
+                          "--model is absent).")(f)
     f = click.option("--model", "model_dir", type=click.Path(file_okay=False), default=None,
                      help="Checkpoint directory.")(f)
     return f
@@ -104,8 +107,9 @@ def check_sampling_args(kw: dict) -> None:
     from host.sampling import check_generation_args
 
     p = _params(kw)
-    name = kw["preset"] or (None if kw["model_dir"] else "tiny")  # Engine.load's default is the tiny preset
-    ctx = PRESETS[name].max_position_embeddings if name in PRESETS else None
+    name = kw["preset"] or (None if kw["model_dir"] else DEFAULT_MODEL)  # Engine.load's default
+    cfg = PRESETS.get(name) or (trained_config(name) if name in TRAINED else None)
+    ctx = cfg.max_position_embeddings if cfg else None
     cap = kw["capacity"]
     if cap is None:  # Engine.load's default (4096, or the model's context when smaller; a --model DIR's context
         from host.engine import DEFAULT_CAPACITY  # is known only after loading: the API checks again there)
