@@ -1,7 +1,8 @@
-"""Record oracle goldens: ``python3 -m tests.golden.record [--only NAME ...] [--out DIR]``.
+"""Record oracle goldens: ``python3 -m tests.golden.record [--model tiny|qwen3.5-tiny-trained] [--only NAME ...] [--out DIR]``.
 
 The oracle is transformers' ``Qwen3_5ForCausalLM`` (eager attention, bf16) on the tiny synthetic checkpoint
-(``loader.synthetic.ensure_checkpoint("tiny")``) with the fp8 weights dequantised to bf16 up front
+(``loader.synthetic.ensure_checkpoint("tiny")``; goldens in ``tests/golden``) or on the trained model's expanded
+checkpoint (``--model qwen3.5-tiny-trained``; goldens in ``tests/golden/trained``) with the fp8 weights dequantised to bf16 up front
 (``bf16(fp32(w) · fp32(scale_inv))``, transformers' own ``Fp8Dequantize`` rule; on a CPU-only machine
 transformers 5.24 falls back to dequantising but, for this checkpoint layout, drops the scales, so we apply them).
 For every prompt of ``prompts.json`` (chat template + tokenizer of the checkpoint) two paths are run under teacher
@@ -53,6 +54,16 @@ def prompt_ids(ckpt: Path) -> list[tuple[str, list[int]]]:
                          enable_thinking=p.get("enable_thinking", True))
         out.append((p["name"], tk.encode(text)))
     return out
+
+
+def checkpoint_of(model: str) -> Path:
+    """Checkpoint directory of ``model``: ``tiny`` is the synthetic checkpoint (seed 0), a name of
+    ``loader.trained.TRAINED`` the trained model's expanded checkpoint."""
+    if model == "tiny":
+        from loader.synthetic import ensure_checkpoint
+        return ensure_checkpoint("tiny")
+    from loader.trained import ensure_checkpoint
+    return ensure_checkpoint(model)
 
 
 def load_oracle(ckpt: Path):
@@ -140,18 +151,20 @@ def run_prompt(model, ids: list[int], name: str = "") -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", help="prompt names to record (default: all)")
-    ap.add_argument("--out", default=str(HERE))
+    ap.add_argument("--out", default=None, help="default: tests/golden, or tests/golden/trained with --model")
+    ap.add_argument("--model", default="tiny",
+                    help="tiny (the synthetic checkpoint, seed 0) or a trained model of loader.trained")
     a = ap.parse_args(argv)
     import torch
     import transformers
     torch.set_num_threads(1)  # measured: 2 intra-op threads on a loaded 2-core host ran 30x slower per step
-    from loader.synthetic import ensure_checkpoint
-    ckpt = ensure_checkpoint("tiny")
+    ckpt = checkpoint_of(a.model)
     model, ck = load_oracle(ckpt)
-    out = Path(a.out)
+    out = Path(a.out or (HERE if a.model == "tiny" else HERE / "trained"))
+    out.mkdir(parents=True, exist_ok=True)
     man_p = out / "manifest.json"
     man = json.loads(man_p.read_text()) if man_p.is_file() else {"prompts": {}}
-    man.update({"transformers": transformers.__version__, "torch": torch.__version__, "preset": "tiny", "seed": 0,
+    man.update({"transformers": transformers.__version__, "torch": torch.__version__, "preset": a.model, "seed": 0,
                 "weights_fingerprint": weights_fingerprint(ck), "attn_implementation": "eager",
                 "dequant": "bf16(fp32(w) * fp32(scale_inv)) per 128x128 block, applied after from_pretrained"})
     for name, ids in prompt_ids(ckpt):
