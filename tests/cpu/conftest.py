@@ -1,8 +1,8 @@
 """Shared CPU-test fixtures.
 
 ``tiny_ckpt``: path of the tiny synthetic checkpoint (seed 0, with tokenizer files), written once and cached
-under ``~/.cache/qwen-mk/ckpt-tiny-seed0`` (or ``$QWEN_MK_CACHE``), rewritten when the generator's sources
-change (``loader.synthetic.ensure_checkpoint``). Treat it as read-only: copy it before planting faults.
+under ``$QWEN_MK_CACHE/ckpt-tiny-seed0`` (``tests/conftest.py`` points it at the system temporary directory),
+rewritten when the generator's sources change (``loader.synthetic.ensure_checkpoint``). Treat it as read-only: copy it before planting faults.
 """
 from __future__ import annotations
 
