@@ -216,3 +216,16 @@ def test_wrong_rope_base_is_rejected_on_trained_weights(ref):
     env = Envelope.calibrate(GOLDENS)
     res = run_reference(ref[1], GOLDENS[name], "prefill")
     assert not env.check([score_run(name, res, GOLDENS[name], "pre")])[0]
+
+
+@needs_goldens
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["prefill", "decode"])
+def test_reference_within_envelope_on_every_trained_golden(ref, path):
+    from assembler.ref.envelope import Envelope
+    from assembler.ref.oracle_check import run_reference, score_run
+    env = Envelope.calibrate(GOLDENS)
+    runs = {n: run_reference(ref[0], GOLDENS[n], path) for n in sorted(GOLDENS)}
+    for op in ("pre", "dec"):
+        ok, fails = env.check([score_run(n, runs[n], GOLDENS[n], op) for n in runs])
+        assert ok, f"{path} vs oracle {op}: {fails}"
