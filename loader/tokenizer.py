@@ -124,8 +124,9 @@ def tokenizer_config_dict(chat_template: str) -> dict:
         "add_bos_token": False, "add_prefix_space": False, "bos_token": None, "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>", "unk_token": None, "errors": "replace", "model_max_length": 262144,
         "split_special_tokens": False, "clean_up_tokenization_spaces": False,
-        # Not Qwen2Tokenizer/Qwen3_5Tokenizer: those rebuild the BPE and drop ignore_merges (toolchain.md), so
-        # AutoTokenizer on a synthetic checkpoint would encode 201 Chinese words differently from the engine.
+        # Not Qwen2Tokenizer/Qwen3_5Tokenizer: those rebuild the BPE and drop ignore_merges (toolchain.md). This
+        # keeps AutoTokenizer exact on a directory without config.json; with a qwen3_5 config.json transformers
+        # picks Qwen3_5Tokenizer whatever this says (tests/cpu/test_tokenizer.py shows it).
         "tokenizer_class": "PreTrainedTokenizerFast",
         "added_tokens_decoder": {
             str(FIRST_ADDED_ID + i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,

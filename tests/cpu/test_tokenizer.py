@@ -152,3 +152,23 @@ def test_transformers_fast_tokenizer_keeps_ignore_merges(tmp_path):
     auto = transformers.AutoTokenizer.from_pretrained(tmp_path)  # tokenizer_class keeps the flag too
     assert auto.encode("俱乐部 <tool_call>", add_special_tokens=False) == [104328, 220, 248058]
     assert (auto.eos_token, auto.pad_token, auto.bos_token) == ("<|im_end|>", "<|endoftext|>", None)
+
+
+def test_transformers_auto_tokenizer_with_config_json_rebuilds_the_bpe(tmp_path):
+    """With a ``config.json`` of model_type ``qwen3_5`` beside the tokenizer files, transformers (5.x) ignores
+    ``tokenizer_class`` (``MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS`` in ``tokenization_auto``) and builds
+    ``Qwen3_5Tokenizer``, which rebuilds the BPE from vocab and merges without ``ignore_merges``: the 201 Chinese
+    word tokens that no merge reaches (``俱乐部`` = 104328) come out split. No file content can change that (no pair
+    of tokens makes 104328), so the engine, the goldens (``tests.golden.record.prompt_ids``) and every comparison
+    of ours encode with ``loader.tokenizer.Tokenizer`` or ``PreTrainedTokenizerFast(tokenizer_file=...)``, never
+    with AutoTokenizer on a checkpoint directory. This test fails when transformers stops overriding."""
+    transformers = pytest.importorskip("transformers")
+    from loader.config import preset
+    from loader.synthetic import config_json
+    write_tokenizer_files(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config_json(preset("tiny"))))
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert type(auto).__name__ == "Qwen3_5Tokenizer"
+    assert auto.encode("俱乐部", add_special_tokens=False) != [104328]
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    assert fast.encode("俱乐部", add_special_tokens=False) == [104328]       # control: the file itself is right
