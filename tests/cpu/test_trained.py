@@ -171,6 +171,29 @@ def test_greedy_code_is_indented_python(ckpt):
     assert "\n    " in r.text and any(w in r.text for w in ("return", "if ", "for ", '"""')), r.text
 
 
+def test_mtp_head_drafts_what_the_main_model_predicts(ckpt):
+    """The exported MTP head run by the engine's reference (``ReferenceModel.mtp_draft``: embedding of token t+1
+    and the main model's final-normed hidden at t) agrees with the main model's argmax at t+1 on held-out code:
+    measured 0.757 on this snippet (the training run's α₁ on held-out code: 0.825, docs/trained-model.md). The
+    wrong concatenation order (hidden first) is the negative control: measured 0.04."""
+    from assembler.ref.model import ReferenceModel
+    from loader.checkpoint import Checkpoint
+    from loader.tokenizer import Tokenizer
+    m = ReferenceModel(Checkpoint.open(ckpt))
+    ids = np.asarray(Tokenizer.from_checkpoint(ckpt).encode(CODE), dtype=np.int64)
+    st = m.new_state(len(ids) + 8)
+    main = m.prefill(st, ids).astype(np.float32).argmax(1)
+    hidden = st.hidden.copy()
+
+    def agreement(swap: bool, n: int) -> float:
+        mst = m.new_state(len(ids) + 8)
+        hits = [m.mtp_draft(mst, [ids[t + 1]], hidden[t:t + 1], swap=swap)[0][0].astype(np.float32).argmax()
+                == main[t + 1] for t in range(n)]
+        return float(np.mean(hits))
+    assert agreement(False, len(ids) - 2) >= 0.6
+    assert agreement(True, 30) <= 0.3
+
+
 # ---------------------------------------------------------------- the reference vs the oracle on trained weights
 def _goldens():
     from assembler.ref.envelope import load_goldens
