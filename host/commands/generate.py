@@ -2,7 +2,7 @@
 
 Also holds the option set and error handling that ``chat`` shares. Exit codes: 0 ok; ``EngineError.exit_code``
 of the error raised (2 bad argument, 3 empty prompt, 4 too long, 5 bad token id, 6 model, 7 executor,
-130 interrupted); click's own 2 for usage errors. An empty PROMPT is a valid chat message (the template still
+8 the cache directory or stdout cannot be written, 130 interrupted); click's own 2 for usage errors. An empty PROMPT is a valid chat message (the template still
 gives the model a prompt, as vLLM accepts it); only with ``--raw`` is an empty (or blank) PROMPT refused (3).
 """
 from __future__ import annotations
@@ -259,7 +259,7 @@ def command(prompt, raw, as_json, **kw):
                 out.flush()
                 wrote = True
     except BaseException as e:
-        if wrote:  # end the cut-short reply line: the error (stderr) then stands on a line of its own
+        if wrote and not isinstance(e, OSError):  # end the cut-short reply line (not on a stdout that failed)
             out.write("\n")
             out.flush()
         if isinstance(e, GenerationInterrupted):
