@@ -4,7 +4,6 @@ hidden."""
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 
 import click
@@ -52,10 +51,26 @@ class Main(click.Group):
     its reader (BrokenPipeError: ``| head -1``) ends the command quietly with exit 0; a stdout that cannot be
     written (a full device: ``> /dev/full``) is one error line naming stdout (``EnvironmentIOError``, exit 8)."""
 
+    def main(self, *args, **kwargs):
+        """click's main with stdout guarded (``host.stdout_guard``) for the whole run, --help and --version
+        included."""
+        from host.stdout_guard import StdoutClosed, StdoutError, detach_stdout, guarded_stdout
+
+        with guarded_stdout():
+            try:
+                return super().main(*args, **kwargs)
+            except StdoutClosed:  # stdout closed by its reader (`| head -1`): end quietly, as coreutils do
+                detach_stdout()
+                sys.exit(0)
+            except StdoutError as e:
+                from host.commands.generate import ERROR
+                from host.errors import EnvironmentIOError
+
+                detach_stdout()
+                click.echo(f"{ERROR} cannot write to stdout: {e.reason}", err=True)
+                sys.exit(EnvironmentIOError.exit_code)
+
     def invoke(self, ctx: click.Context):
-        guarded = not isinstance(sys.stdout, _GuardedStdout)
-        if guarded:
-            sys.stdout = _GuardedStdout(sys.stdout)
         try:
             return super().invoke(ctx)
         except click.UsageError:
@@ -64,65 +79,6 @@ class Main(click.Group):
             from host.commands.generate import ERROR
             click.echo(f"{ERROR} {e.format_message()}", err=True)
             ctx.exit(e.exit_code)
-        except BrokenPipeError:  # stdout closed by its reader (`| head -1`): end quietly, as coreutils do
-            _detach_stdout()
-            ctx.exit(0)
-        except StdoutError as e:
-            from host.commands.generate import ERROR
-            from host.errors import EnvironmentIOError
-            _detach_stdout()
-            click.echo(f"{ERROR} cannot write to stdout: {e.strerror or e}", err=True)
-            ctx.exit(EnvironmentIOError.exit_code)
-        finally:
-            if guarded and isinstance(sys.stdout, _GuardedStdout):
-                sys.stdout = sys.stdout.stream
-
-
-class StdoutError(OSError):
-    """An OSError raised by a write to stdout (a full device), told apart from the OSErrors of other files."""
-
-
-class _GuardedStdout:
-    """sys.stdout while a command runs: the same stream, whose failed writes raise :class:`StdoutError` (a
-    BrokenPipeError, a closed reader, passes as it is)."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def write(self, s):
-        """Write ``s`` to the stream; an OSError other than BrokenPipeError becomes StdoutError."""
-        try:
-            return self.stream.write(s)
-        except BrokenPipeError:
-            raise
-        except OSError as e:
-            raise StdoutError(e.errno, e.strerror) from e
-
-    def flush(self):
-        """Flush the stream; an OSError other than BrokenPipeError becomes StdoutError."""
-        try:
-            return self.stream.flush()
-        except BrokenPipeError:
-            raise
-        except OSError as e:
-            raise StdoutError(e.errno, e.strerror) from e
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
-
-
-def _detach_stdout() -> None:
-    """Point stdout's file descriptor at /dev/null, so that the interpreter's flush at exit (of the bytes still
-    buffered) neither fails nor prints an "Exception ignored" message."""
-    try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):  # not a real file (click's test runner): nothing flushes it later
-        return
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, fd)
-    finally:
-        os.close(devnull)
 
 
 @click.group(cls=Main, context_settings={"help_option_names": ["-h", "--help"]})

@@ -262,7 +262,9 @@ def command(prompt, raw, as_json, **kw):
                 out.flush()
                 wrote = True
     except BaseException as e:
-        if wrote and not isinstance(e, OSError):  # end the cut-short reply line (not on a stdout that failed)
+        from host.stdout_guard import StdoutClosed, StdoutError
+
+        if wrote and not isinstance(e, (StdoutClosed, StdoutError)):  # end the cut-short reply line
             out.write("\n")
             out.flush()
         if isinstance(e, GenerationInterrupted):

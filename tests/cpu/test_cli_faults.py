@@ -25,7 +25,8 @@ from tests.cpu.test_engine import text_layer  # noqa: F401  (fixture)
 ROOT = Path(__file__).resolve().parents[2]
 ERROR = "qwen-mk: error:"
 GEN = ["generate", "--preset", "tiny", "--executor", "cpu", "--max-new-tokens", "2", "hi"]
-COMMANDS = {"generate": GEN, "generate --json": GEN[:1] + ["--json"] + GEN[1:], "inspect": ["inspect"]}
+COMMANDS = {"generate": GEN, "generate --json": GEN[:1] + ["--json"] + GEN[1:], "inspect": ["inspect"],
+            "--help": ["--help"]}
 
 
 def run(args, input=None):
@@ -58,7 +59,7 @@ def controls(tiny_ckpt):
 
 
 # ---------------------------------------------------------------------------------------------------- stdout
-@pytest.mark.parametrize("name", ["generate", "inspect"])
+@pytest.mark.parametrize("name", ["generate", "inspect", "--help"])
 def test_closed_stdout_ends_quietly(name, controls, tiny_ckpt):
     """A reader that closed the pipe (``| head -1``): exit 0, no error and no traceback (coreutils' rule)."""
     assert controls[name].returncode == 0
