@@ -182,7 +182,8 @@ class Engine:
         str / Path, an unknown executor name, ``slots`` < 1, a capacity < 2, one above the model's context or one
         whose state does not fit in memory), ExecutorUnavailable (a valid executor that cannot run here: a GPU
         one without a GPU, or the cpu executor, the default without a GPU, for a model too large for it such as the
-        27B preset). ``quiet`` drops the stderr warning printed for synthetic weights (a preset, or a directory
+        27B preset), EnvironmentIOError (the first-use cache directory, ``$QWEN_MK_CACHE``, cannot be written:
+        read-only, full, or a file; nothing partial is left in it). ``quiet`` drops the stderr warning printed for synthetic weights (a preset, or a directory
         written by ``qwen-mk make-checkpoint``).
         """
         kind = executor or default_kind()
