@@ -4,6 +4,7 @@ hidden."""
 from __future__ import annotations
 
 import importlib
+import sys
 
 import click
 
@@ -46,7 +47,28 @@ class Main(click.Group):
     Every other error prints one line ``qwen-mk: error: ...`` on stderr (as warnings print ``qwen-mk:
     warning:``): the engine's errors (values its shared checks refuse included) through
     ``host.commands.generate.handle_errors``, and here any other ``click.ClickException`` a command raises
-    (make-checkpoint's unwritable --out, inspect --timings without a GPU), with its exit code."""
+    (make-checkpoint's unwritable --out, inspect --timings without a GPU), with its exit code. A stdout closed by
+    its reader (BrokenPipeError: ``| head -1``) ends the command quietly with exit 0; a stdout that cannot be
+    written (a full device: ``> /dev/full``) is one error line naming stdout (``EnvironmentIOError``, exit 8)."""
+
+    def main(self, *args, **kwargs):
+        """click's main with stdout guarded (``host.stdout_guard``) for the whole run, --help and --version
+        included."""
+        from host.stdout_guard import StdoutClosed, StdoutError, detach_stdout, guarded_stdout
+
+        with guarded_stdout():
+            try:
+                return super().main(*args, **kwargs)
+            except StdoutClosed:  # stdout closed by its reader (`| head -1`): end quietly, as coreutils do
+                detach_stdout()
+                sys.exit(0)
+            except StdoutError as e:
+                from host.commands.generate import ERROR
+                from host.errors import EnvironmentIOError
+
+                detach_stdout()
+                click.echo(f"{ERROR} cannot write to stdout: {e.reason}", err=True)
+                sys.exit(EnvironmentIOError.exit_code)
 
     def invoke(self, ctx: click.Context):
         try:

@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from host.errors import EmptyPrompt, EngineError, ExecutorUnavailable, InvalidArgument, ModelLoadError
+from host.errors import (EmptyPrompt, EngineError, EnvironmentIOError, ExecutorUnavailable, InvalidArgument,
+                         ModelLoadError)
 from host.executors import CPU_KINDS, Executor, check_kind, cpu_too_large, default_kind, gpu_available, make_executor
 from host.sampling import check_text
 from host.session import Generation, Session, prepare, render_turn
@@ -102,6 +103,26 @@ def _resolve_model(path_or_preset: str | Path | None, seed: int, quiet: bool, ki
     return p, None
 
 
+def cache_root() -> Path:
+    """The first-use cache directory: ``$QWEN_MK_CACHE``, else ``~/.cache/qwen-mk`` (the loader's writers' rule)."""
+    import os
+
+    return Path(os.environ.get("QWEN_MK_CACHE") or Path.home() / ".cache" / "qwen-mk")
+
+
+def cache_error(e: OSError) -> EnvironmentIOError:
+    """The one-line error for an OSError met while writing the cache: it names the directory, the reason and
+    the variable that moves it."""
+    root = cache_root()
+    why = e.strerror or str(e) or type(e).__name__
+    if root.exists() and not root.is_dir():
+        why = "it is a file, not a directory"
+    elif e.filename and str(e.filename) != str(root):
+        why += f" ({e.filename})"
+    return EnvironmentIOError(f"cannot write the cache directory {root}: {why}; set QWEN_MK_CACHE to a writable "
+                              "directory with room for the checkpoint")
+
+
 def _synthetic_meta_dir(name: str, seed: int) -> Path:
     """Cache directory with the config, generation config and tokenizer files of a synthetic preset, and no
     weights (written once; ~15 MB)."""
@@ -112,18 +133,21 @@ def _synthetic_meta_dir(name: str, seed: int) -> Path:
     from loader.synthetic import GENERATION_CONFIG, config_json
     from loader.tokenizer import write_tokenizer_files
 
-    root = Path(os.environ.get("QWEN_MK_CACHE") or Path.home() / ".cache" / "qwen-mk")
-    d = root / f"meta-{name}-seed{seed}"
+    d = cache_root() / f"meta-{name}-seed{seed}"
     if not (d / "tokenizer_config.json").is_file():
+        import shutil
+
         tmp = d.with_name(d.name + f".tmp{os.getpid()}")
-        tmp.mkdir(parents=True, exist_ok=True)
-        (tmp / "config.json").write_text(json.dumps(config_json(preset(name)), indent=2) + "\n")
-        (tmp / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
-        write_tokenizer_files(tmp)
-        if d.exists():
-            import shutil
-            shutil.rmtree(d)
-        tmp.rename(d)
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            (tmp / "config.json").write_text(json.dumps(config_json(preset(name)), indent=2) + "\n")
+            (tmp / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
+            write_tokenizer_files(tmp)
+            if d.exists():
+                shutil.rmtree(d)
+            tmp.rename(d)
+        finally:  # a failed write (a full disk) leaves no partial directory
+            shutil.rmtree(tmp, ignore_errors=True)
     return d
 
 
@@ -158,7 +182,8 @@ class Engine:
         str / Path, an unknown executor name, ``slots`` < 1, a capacity < 2, one above the model's context or one
         whose state does not fit in memory), ExecutorUnavailable (a valid executor that cannot run here: a GPU
         one without a GPU, or the cpu executor, the default without a GPU, for a model too large for it such as the
-        27B preset). ``quiet`` drops the stderr warning printed for synthetic weights (a preset, or a directory
+        27B preset), EnvironmentIOError (the first-use cache directory, ``$QWEN_MK_CACHE``, cannot be written:
+        read-only, full, or a file; nothing partial is left in it). ``quiet`` drops the stderr warning printed for synthetic weights (a preset, or a directory
         written by ``qwen-mk make-checkpoint``).
         """
         kind = executor or default_kind()
@@ -171,7 +196,10 @@ class Engine:
                                   f"token, and at least one generated token), got {capacity!r}")
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise InvalidArgument(f"slots: expected a positive integer (sessions open at once), got {slots!r}")
-        model_dir, synthetic = _resolve_model(path_or_preset, seed, quiet, kind, defaulted=executor is None)
+        try:
+            model_dir, synthetic = _resolve_model(path_or_preset, seed, quiet, kind, defaulted=executor is None)
+        except OSError as e:  # the first-use cache: read-only, full, or a file where its directory should be
+            raise cache_error(e) from e
         from loader.chat_template import ChatTemplate
         from loader.checkpoint import Checkpoint, CheckpointError
         from loader.tokenizer import Tokenizer, TokenizerError

@@ -58,6 +58,15 @@ class ExecutorUnavailable(EngineError):
     exit_code = 7
 
 
+class EnvironmentIOError(EngineError):
+    """A file or stream of the user's environment that cannot be written (an OSError: permission denied, a full
+    device, a path that is a file): the first-use cache directory (``$QWEN_MK_CACHE``, default
+    ``~/.cache/qwen-mk``) where a trained model or a preset's checkpoint is written, or the CLI's stdout (``>
+    /dev/full``). A closed stdout (``| head -1``) is not an error: the CLI ends quietly with exit 0."""
+
+    exit_code = 8
+
+
 class GenerationInterrupted(EngineError):
     """A generation stopped by KeyboardInterrupt. A session from ``Engine.new_session()`` stays usable (its state
     is rolled back); a one-shot ``Engine.generate`` / ``chat`` keeps nothing of it (its session is closed): the

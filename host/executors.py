@@ -80,14 +80,19 @@ class Executor(ABC):
 
 
 def gpu_available() -> tuple[bool, str]:
-    """(True, device name) when CuPy sees a CUDA device, else (False, the reason)."""
+    """(True, device name) when CuPy sees a CUDA device, else (False, the reason: "no NVIDIA GPU was found", then
+    CuPy's or the driver's detail in parentheses; CUDA reports a missing driver as "driver version is
+    insufficient")."""
     try:
         import cupy  # noqa: F401  (host may import CuPy; loader/assembler never do)
+    except Exception as e:  # noqa: BLE001 - a broken CuPy install also means "no GPU usable here"
+        return False, f"no NVIDIA GPU was found (CuPy cannot be imported: {type(e).__name__}: {str(e).strip()[:120]})"
+    try:
         n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # no CuPy, no driver, no device: all mean "no GPU here"
-        return False, f"CuPy cannot reach a CUDA device ({type(e).__name__}: {str(e).strip()[:120]})"
+    except Exception as e:  # noqa: BLE001 - no driver, no device: both mean "no GPU here"
+        return False, f"no NVIDIA GPU was found (CUDA: {str(e).strip()[:120] or type(e).__name__})"
     if n < 1:
-        return False, "CuPy reports 0 CUDA devices"
+        return False, "no NVIDIA GPU was found (CUDA reports 0 devices)"
     try:
         name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
         name = name.decode() if isinstance(name, bytes) else str(name)

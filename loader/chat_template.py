@@ -120,6 +120,9 @@ class ChatTemplate:
         """Template of a checkpoint: ``chat_template.jinja`` if present, else tokenizer_config.json's ``chat_template``."""
         d = Path(ckpt_dir)
         cfg_path = d / "tokenizer_config.json"
+        if not cfg_path.is_file() and not (d / "chat_template.jinja").is_file():
+            raise ChatTemplateError(f"{cfg_path}: file not found (it holds the chat template and the special tokens; "
+                                    f"no chat_template.jinja in {d} either)")
         cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
         specials = {k: cfg[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token") if k in cfg}
         specials = {k: (v["content"] if isinstance(v, dict) else v) for k, v in specials.items()}

@@ -366,7 +366,7 @@ def ensure_checkpoint(preset: str, seed: int = 0, cache_dir: str | Path | None =
     """Path of a cached synthetic checkpoint of preset ``preset`` (``<cache>/ckpt-<preset>-seed<seed>``,
     cache = ``cache_dir`` or ``$QWEN_MK_CACHE`` or ``~/.cache/qwen-mk``), written on first use and rewritten
     when :func:`generator_hash` changes. Safe against concurrent callers (file lock; written into a temp
-    directory, then renamed). Raises ConfigError for an unknown preset; ``tokenizer`` as in write_checkpoint
+    directory, then renamed; an error removes the temp directory). Raises ConfigError for an unknown preset; ``tokenizer`` as in write_checkpoint
     (a cached copy without tokenizer files is rewritten when they are required)."""
     import fcntl
 
@@ -390,9 +390,12 @@ def ensure_checkpoint(preset: str, seed: int = 0, cache_dir: str | Path | None =
             return final
         tmp = root / f".tmp-{preset}-seed{seed}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        write_checkpoint(cfg, tmp, seed, tokenizer=tokenizer)
-        (tmp / STAMP).write_text(want + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        try:
+            write_checkpoint(cfg, tmp, seed, tokenizer=tokenizer)
+            (tmp / STAMP).write_text(want + "\n")
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        finally:  # a failed write (a full disk) leaves no partial checkpoint
+            shutil.rmtree(tmp, ignore_errors=True)
     return final

@@ -113,8 +113,11 @@ def cached_tokenizer_json() -> Path:
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(build_tokenizer_json(qwen_ranks()), encoding="utf-8")
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(build_tokenizer_json(qwen_ranks()), encoding="utf-8")
+            os.replace(tmp, path)
+        finally:  # a failed write (a full disk) leaves no partial file
+            tmp.unlink(missing_ok=True)
     return path
 
 

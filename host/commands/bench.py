@@ -29,7 +29,8 @@ def find_benchmarks(root: Path = ROOT) -> list[str]:
 @click.command()
 @click.option("--list", "list_only", is_flag=True, help="List the benchmark modules and exit.")
 @click.option("--only", multiple=True, help="Run only these modules (repeatable), e.g. bench_gemv.")
-@click.option("--timeout", type=int, default=1800, show_default=True, help="Seconds per module.")
+@click.option("--timeout", type=click.IntRange(min=1), default=1800, show_default=True,
+              help="Seconds per module (at least 1).")
 def command(list_only, only, timeout):
     """Run the GPU benchmarks (bench/bench_*.py) and report which passed."""
     names = find_benchmarks()

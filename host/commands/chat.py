@@ -2,7 +2,8 @@
 
 Each turn renders the whole conversation with the chat template; the session reuses what its state already
 holds and runs only the rest (``host.session``). Ctrl-C during a reply interrupts it, drops that turn and keeps
-the session usable; Ctrl-C or EOF at the prompt ends the chat. A line starting with ``/`` is a command
+the session usable; Ctrl-C at the prompt clears the line and asks again (as Python's REPL does), EOF (Ctrl-D)
+or ``/exit`` ends the chat. A line starting with ``/`` is a command
 (``HELP``; an unknown one is reported and nothing is sent); ``//`` sends a line starting with ``/``. A blank line
 sends nothing (as in other REPLs); an empty message is otherwise valid (``generate ""``, ``Engine.chat``).
 """
@@ -34,6 +35,19 @@ def assistant_message(engine, ids: list[int], text: str, thinking: bool) -> dict
     return msg
 
 
+def read_line(prompt: str = ">>> ") -> str | None:
+    """One line of input, None at EOF (Ctrl-D). Ctrl-C while typing clears the line and asks again, as Python's
+    REPL does; ``/exit`` or Ctrl-D ends the chat."""
+    while True:
+        try:
+            return input(prompt)
+        except EOFError:
+            click.echo("", err=True)
+            return None
+        except KeyboardInterrupt:
+            click.echo("\n[line cleared; Ctrl-D or /exit ends the chat]", err=True)
+
+
 @click.command()
 @model_options
 @sampling_options
@@ -53,13 +67,11 @@ def command(system, timings, **kw):
     sess = eng.new_session()
     base = [{"role": "system", "content": system}] if system else []
     messages = list(base)
-    click.echo("qwen-mk chat: /reset clears the conversation, /exit quits, /help lists the commands, Ctrl-C "
-               "interrupts a reply.", err=True)
+    click.echo("qwen-mk chat: /reset clears the conversation, /exit or Ctrl-D quits, /help lists the commands, "
+               "Ctrl-C interrupts a reply.", err=True)
     while True:
-        try:
-            line = click.prompt(">>>", prompt_suffix=" ", default="", show_default=False)
-        except (EOFError, KeyboardInterrupt, click.Abort):
-            click.echo("", err=True)
+        line = read_line()
+        if line is None:
             return
         cmd = line.strip()
         if cmd.startswith("//"):  # an escaped leading slash: text for the model

@@ -2,7 +2,7 @@
 
 Also holds the option set and error handling that ``chat`` shares. Exit codes: 0 ok; ``EngineError.exit_code``
 of the error raised (2 bad argument, 3 empty prompt, 4 too long, 5 bad token id, 6 model, 7 executor,
-130 interrupted); click's own 2 for usage errors. An empty PROMPT is a valid chat message (the template still
+8 the cache directory or stdout cannot be written, 130 interrupted); click's own 2 for usage errors. An empty PROMPT is a valid chat message (the template still
 gives the model a prompt, as vLLM accepts it); only with ``--raw`` is an empty (or blank) PROMPT refused (3).
 """
 from __future__ import annotations
@@ -98,8 +98,8 @@ def _params(kw: dict):
 def check_sampling_args(kw: dict) -> None:
     """Checks of the sampling flags before the model loads, by the function the Python API runs in
     ``Session.generate`` (``host.sampling.check_generation_args``): their ranges (``SamplingParams``; click's
-    option types refused what is out of range already), --max-new-tokens against --capacity and a preset's
-    context (InvalidArgument), and a ``qwen-mk: warning:``
+    option types refused what is out of range already), an empty --stop string and --max-new-tokens against
+    --capacity and a preset's context (InvalidArgument), and a ``qwen-mk: warning:``
     line on stderr for each IgnoredArgumentWarning it issues (--top-k, --top-p or --seed under greedy decoding,
     where they have no effect; vLLM ignores them there too). Leaves an absent ``kw["max_new_tokens"]`` None: the
     API fills in its default (DEFAULT_MAX_NEW_TOKENS, or --capacity - 1 or the model's context - 1 when smaller)
@@ -107,6 +107,9 @@ def check_sampling_args(kw: dict) -> None:
     from host.sampling import check_generation_args
 
     p = _params(kw)
+    if any(not s for s in kw["stop"]):  # Session.generate's check, before the model loads
+        from host.errors import InvalidArgument
+        raise InvalidArgument(f"stop: expected non-empty strings, got {list(kw['stop'])!r}")
     name = kw["preset"] or (None if kw["model_dir"] else DEFAULT_MODEL)  # Engine.load's default
     cfg = PRESETS.get(name) or (trained_config(name) if name in TRAINED else None)
     ctx = cfg.max_position_embeddings if cfg else None
@@ -259,7 +262,9 @@ def command(prompt, raw, as_json, **kw):
                 out.flush()
                 wrote = True
     except BaseException as e:
-        if wrote:  # end the cut-short reply line: the error (stderr) then stands on a line of its own
+        from host.stdout_guard import StdoutClosed, StdoutError
+
+        if wrote and not isinstance(e, (StdoutClosed, StdoutError)):  # end the cut-short reply line
             out.write("\n")
             out.flush()
         if isinstance(e, GenerationInterrupted):

@@ -64,7 +64,7 @@ def test_cli_invalid_utf8_exits_2_without_traceback(fake_engine, monkeypatch):
             return next(lines)
         except StopIteration:
             raise EOFError from None
-    monkeypatch.setattr(chat.click, "prompt", prompt)
+    monkeypatch.setattr(chat, "input", prompt, raising=False)  # the chat reads its lines with input()
     r = run(["chat", "--max-new-tokens", "2"])
     assert r.exit_code == 0, r.output
     assert "input: not valid UTF-8" in r.output and "turn dropped" in r.output
