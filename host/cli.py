@@ -46,7 +46,8 @@ class Main(click.Group):
     Every other error prints one line ``qwen-mk: error: ...`` on stderr (as warnings print ``qwen-mk:
     warning:``): the engine's errors (values its shared checks refuse included) through
     ``host.commands.generate.handle_errors``, and here any other ``click.ClickException`` a command raises
-    (make-checkpoint's unwritable --out, inspect --timings without a GPU), with its exit code."""
+    (make-checkpoint's unwritable --out, inspect --timings without a GPU), with its exit code. Ctrl-C
+    (KeyboardInterrupt) that no command handled prints ``qwen-mk: error: interrupted`` and exits 130."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -57,6 +58,8 @@ class Main(click.Group):
             from host.commands.generate import ERROR
             click.echo(f"{ERROR} {e.format_message()}", err=True)
             ctx.exit(e.exit_code)
+        except KeyboardInterrupt:  # not click's "Aborted!" (exit 1): README's 130
+            _interrupted()
 
 
 @click.group(cls=Main, context_settings={"help_option_names": ["-h", "--help"]})
@@ -77,7 +80,31 @@ def _register() -> None:
         main.add_command(m.command, name=name)
 
 
-_register()
+def _interrupted() -> None:
+    """Ctrl-C outside a command's own handling (while the commands import, say): one line, exit 130."""
+    import sys
+    click.echo("qwen-mk: error: interrupted", err=True)
+    sys.exit(130)  # host.errors.GenerationInterrupted.exit_code, README's exit codes
+
+
+def _by_interrupt(e: BaseException | None) -> bool:
+    """Whether ``e`` is a KeyboardInterrupt or was raised while handling one (an extension module's import that
+    Ctrl-C broke off re-raises it as ImportError)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+try:
+    _register()
+except BaseException as e:  # noqa: BLE001 - re-raised unless Ctrl-C caused it
+    if not _by_interrupt(e):
+        raise
+    _interrupted()
 
 if __name__ == "__main__":
     main()
