@@ -1,5 +1,5 @@
 """Ctrl-C during ``qwen-mk make-checkpoint``: SIGINT to the parent process alone (as ``timeout -s INT`` sends it,
-not to the process group) ends the command within a bound, exit 130, one ``qwen-mk: error: interrupted`` line and
+not to the process group) or to the process group (a terminal's Ctrl-C) ends the command within a bound, exit 130, one ``qwen-mk: error: interrupted`` line and
 no traceback (none from the generator processes either), no generator process left running, and nothing in --out
 or beside it. The same command without the signal writes the checkpoint (exit 0)."""
 from __future__ import annotations
@@ -17,12 +17,12 @@ ROOT = Path(__file__).resolve().parents[2]
 BOUND_S = 20.0  # from SIGINT to exit: the workers' bounded join is 2 s each; the rest is cleanup on a busy machine
 
 
-def _start(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+def _start(tmp_path: Path, group: bool = False) -> tuple[subprocess.Popen, Path]:
     out = tmp_path / "ckpt"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "QWEN_MK_CACHE": str(tmp_path / "cache")}
     proc = subprocess.Popen([sys.executable, "-m", "host.cli", "make-checkpoint", "--preset", "tiny", "--out", str(out),
                              "--workers", "2"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, start_new_session=group)
     return proc, out
 
 
@@ -59,9 +59,12 @@ def test_make_checkpoint_without_a_signal_succeeds(tmp_path):
     assert (out / "config.json").is_file() and list(out.glob("*.safetensors")) and not _temp_siblings(out)
 
 
-@pytest.mark.parametrize("when", [0.5, 2.0, "mid-write"], ids=["import-0.5s", "start-2s", "mid-write"])
-def test_make_checkpoint_ctrl_c_exits_130_and_leaves_nothing(tmp_path, when):
-    proc, out = _start(tmp_path)
+@pytest.mark.parametrize("when,group", [(0.5, False), (2.0, False), ("mid-write", False), ("mid-write", True)],
+                         ids=["import-0.5s", "start-2s", "mid-write", "mid-write-group"])
+def test_make_checkpoint_ctrl_c_exits_130_and_leaves_nothing(tmp_path, when, group):
+    """SIGINT to the parent only (``timeout -s INT``), or to its whole process group (Ctrl-C in a terminal: the
+    generator processes get it too and must not print a traceback)."""
+    proc, out = _start(tmp_path, group)
     t0 = time.monotonic()
     if when == "mid-write":  # the shard is being written by the worker pool: 1 s into it
         while not _shard_started(out):
@@ -72,7 +75,10 @@ def test_make_checkpoint_ctrl_c_exits_130_and_leaves_nothing(tmp_path, when):
         time.sleep(when)
     assert proc.poll() is None, "the write ended before the signal (a faster machine: raise the delays)"
     workers = _children(proc.pid)
-    proc.send_signal(signal.SIGINT)  # the parent only, as `timeout -s INT` does
+    if group:
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGINT)  # the parent only, as `timeout -s INT` does
     t_sig = time.monotonic()
     try:
         stdout, stderr = proc.communicate(timeout=BOUND_S)
