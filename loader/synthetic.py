@@ -362,7 +362,7 @@ def _write_data(src: SyntheticWeights, names: list[str], fh, pool: _Pool, step=N
 
 def write_checkpoint(cfg: ModelConfig, out_dir: str | Path, seed: int = 0, *, tokenizer: str = "require",
                      max_shard_bytes: int = MAX_SHARD_BYTES, single_file: bool = False, max_shards: int | None = None,
-                     workers: int = 1, log=None) -> dict:
+                     workers: int = 1, log=None, progress: str | None = None) -> dict:
     """Write a synthetic checkpoint of ``cfg`` into ``out_dir`` (created; existing files are overwritten):
     config.json, generation_config.json, ``model.safetensors.index.json`` + ``model-000NN-of-000MM.safetensors``
     shards of at most ``max_shard_bytes`` (or one ``model.safetensors`` with ``single_file``), and the
@@ -373,7 +373,9 @@ def write_checkpoint(cfg: ModelConfig, out_dir: str | Path, seed: int = 0, *, to
     written), so :meth:`loader.checkpoint.Checkpoint.open` refuses the directory as an incomplete checkpoint
     naming the absent shard files. ``workers`` > 1 generates chunks in that many processes (same bytes; they
 ignore SIGINT, and on KeyboardInterrupt or an error the parent terminates them before re-raising). Memory
-    stays bounded (a few generation chunks of ``CHUNK_ELEMS`` elements at a time). Returns {"seconds", "bytes"
+    stays bounded (a few generation chunks of ``CHUNK_ELEMS`` elements at a time). ``log(str)`` gets a line per
+    shard; ``progress`` (a label saying what is written where) shows a bar of the shard bytes on stderr when it is
+    a terminal (``loader.progress``). Returns {"seconds", "bytes"
     (written), "shards" (written), "total_shards" (of the complete checkpoint), "tokenizer"}.
     """
     if tokenizer not in ("require", "optional", "skip"):
@@ -403,7 +405,10 @@ ignore SIGINT, and on KeyboardInterrupt or an error the parent terminates them b
     exp = expected_tensors(cfg)
     full_size = sum(math.prod(exp[n][0]) * np.dtype(getattr(ml_dtypes, exp[n][1])).itemsize for n in exp)
     src, weight_map, total = SyntheticWeights(cfg, seed), {}, 0
-    with _Pool(workers) as pool:
+    to_write = sum(math.prod(exp[n][0]) * np.dtype(getattr(ml_dtypes, exp[n][1])).itemsize
+                   for names in shards[:n_write] for n in names)
+    from loader.progress import Progress
+    with _Pool(workers) as pool, Progress(to_write, progress or "", progress is not None) as bar:
         for k, names in enumerate(shards):
             fn = SINGLE_FILE if single_file else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
             weight_map.update((stored_name(cfg, n), fn) for n in names)  # every planned shard, written or not
@@ -411,9 +416,10 @@ ignore SIGINT, and on KeyboardInterrupt or an error the parent terminates them b
                 continue
             with open(out / fn, "wb") as fh:
                 fh.write(_header(cfg, names))
-                total += _write_data(src, names, fh, pool)
+                total += _write_data(src, names, fh, pool, bar.update)
             if log:
-                log(f"{fn}: {len(names)} tensors, {total / 1e9:.2f} GB so far, {time.perf_counter() - t0:.1f} s")
+                bar.log(log, f"{fn}: {len(names)} tensors, {total / 1e9:.2f} GB so far, "
+                             f"{time.perf_counter() - t0:.1f} s")
     if not single_file:
         meta: dict = {"total_size": full_size}
         if n_write < len(shards):
@@ -441,12 +447,13 @@ def generator_hash() -> str:
 
 
 def ensure_checkpoint(preset: str, seed: int = 0, cache_dir: str | Path | None = None, *,
-                      tokenizer: str = "require") -> Path:
+                      tokenizer: str = "require", progress: bool = False) -> Path:
     """Path of a cached synthetic checkpoint of preset ``preset`` (``<cache>/ckpt-<preset>-seed<seed>``,
     cache = ``cache_dir`` or ``$QWEN_MK_CACHE`` or ``~/.cache/qwen-mk``), written on first use and rewritten
     when :func:`generator_hash` changes. Safe against concurrent callers (file lock; written into a temp
     directory, then renamed). Raises ConfigError for an unknown preset; ``tokenizer`` as in write_checkpoint
-    (a cached copy without tokenizer files is rewritten when they are required)."""
+    (a cached copy without tokenizer files is rewritten when they are required). ``progress``: a bar of the bytes
+    written on stderr while the checkpoint is written, when stderr is a terminal."""
     import fcntl
 
     from loader.config import preset as get_preset
@@ -470,7 +477,8 @@ def ensure_checkpoint(preset: str, seed: int = 0, cache_dir: str | Path | None =
         tmp = root / f".tmp-{preset}-seed{seed}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            write_checkpoint(cfg, tmp, seed, tokenizer=tokenizer)
+            write_checkpoint(cfg, tmp, seed, tokenizer=tokenizer,
+                             progress=f"synthetic {preset} checkpoint -> {final}" if progress else None)
             (tmp / STAMP).write_text(want + "\n")
             if final.exists():
                 shutil.rmtree(final)

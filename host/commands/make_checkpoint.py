@@ -106,7 +106,7 @@ def command(preset_name: str, out: str, force: bool, seed: int, shard_bytes: int
         try:
             res = write_checkpoint(preset(preset_name), tmp, seed, tokenizer="skip" if no_tokenizer else "require",
                                    max_shard_bytes=shard_bytes, max_shards=max_shards, workers=workers,
-                                   log=click.echo)
+                                   log=click.echo, progress=f"{preset_name} checkpoint -> {out}")
         except RuntimeError as e:  # the tokenizer writer is unavailable
             raise click.ClickException(f"cannot write the checkpoint to --out {out}: {e}") from None
         with sigint_ignored():  # the renames are not broken off half-way by Ctrl-C
