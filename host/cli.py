@@ -49,7 +49,8 @@ class Main(click.Group):
     ``host.commands.generate.handle_errors``, and here any other ``click.ClickException`` a command raises
     (make-checkpoint's unwritable --out, inspect --timings without a GPU), with its exit code. A stdout closed by
     its reader (BrokenPipeError: ``| head -1``) ends the command quietly with exit 0; a stdout that cannot be
-    written (a full device: ``> /dev/full``) is one error line naming stdout (``EnvironmentIOError``, exit 8)."""
+    written (a full device: ``> /dev/full``) is one error line naming stdout (``EnvironmentIOError``, exit 8).
+    Ctrl-C (KeyboardInterrupt) that no command handled prints ``qwen-mk: error: interrupted`` and exits 130."""
 
     def main(self, *args, **kwargs):
         """click's main with stdout guarded (``host.stdout_guard``) for the whole run, --help and --version
@@ -79,6 +80,8 @@ class Main(click.Group):
             from host.commands.generate import ERROR
             click.echo(f"{ERROR} {e.format_message()}", err=True)
             ctx.exit(e.exit_code)
+        except KeyboardInterrupt:  # not click's "Aborted!" (exit 1): README's 130
+            _interrupted()
 
 
 @click.group(cls=Main, context_settings={"help_option_names": ["-h", "--help"]})
@@ -99,7 +102,31 @@ def _register() -> None:
         main.add_command(m.command, name=name)
 
 
-_register()
+def _interrupted() -> None:
+    """Ctrl-C outside a command's own handling (while the commands import, say): one line, exit 130."""
+    import sys
+    click.echo("qwen-mk: error: interrupted", err=True)
+    sys.exit(130)  # host.errors.GenerationInterrupted.exit_code, README's exit codes
+
+
+def _by_interrupt(e: BaseException | None) -> bool:
+    """Whether ``e`` is a KeyboardInterrupt or was raised while handling one (an extension module's import that
+    Ctrl-C broke off re-raises it as ImportError)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+try:
+    _register()
+except BaseException as e:  # noqa: BLE001 - re-raised unless Ctrl-C caused it
+    if not _by_interrupt(e):
+        raise
+    _interrupted()
 
 if __name__ == "__main__":
     main()

@@ -73,7 +73,7 @@ def _resolve_model(path_or_preset: str | Path | None, seed: int, quiet: bool, ki
         def log(msg: str) -> None:
             if not quiet:
                 print(f"qwen-mk: {name}: {msg}", file=sys.stderr)
-        return Path(ensure_trained(name, log=log)), None
+        return Path(ensure_trained(name, log=log, progress=not quiet)), None
     if str(path_or_preset) in PRESETS and not p.is_dir():
         name = str(path_or_preset)
         if kind not in CPU_KINDS:
@@ -88,7 +88,7 @@ def _resolve_model(path_or_preset: str | Path | None, seed: int, quiet: bool, ki
         else:
             from loader.synthetic import ensure_checkpoint
 
-            d = Path(ensure_checkpoint(name, seed=seed))
+            d = Path(ensure_checkpoint(name, seed=seed, progress=not quiet))
         if not quiet:
             print(f"qwen-mk: preset {name!r} uses SYNTHETIC random weights (seed {seed}, {d}): the text is "
                   "meaningless by design", file=sys.stderr)

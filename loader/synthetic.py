@@ -25,12 +25,16 @@ every other tensor is the bf16 (RNE) of its fp32 draw.
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import hashlib
 import json
 import math
 import os
 import shutil
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -249,20 +253,90 @@ def _run_job(job):
     return None, None
 
 
-def _ordered(jobs, workers: int):
-    """(job, result) in job order; with workers > 1 a process pool keeps at most 2·workers jobs in flight
-    (bounded memory)."""
-    if workers <= 1:
-        for j in jobs:
-            yield j, _run_job(j)
+def _ignore_sigint() -> None:
+    """Pool initializer: a worker ignores SIGINT. Ctrl-C in a terminal reaches the whole process group, and only
+    the parent decides what happens then: it terminates the workers (:class:`_Pool`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def sigint_ignored():
+    """Ignore SIGINT inside the block (in the main thread; elsewhere a no-op), so a second Ctrl-C cannot break
+    off the cleanup after the first."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
         return
-    import collections
-    from concurrent.futures import ProcessPoolExecutor
-    with ProcessPoolExecutor(workers) as pool:
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+class _Pool:
+    """The writer's worker processes (``concurrent.futures.ProcessPoolExecutor``; None for ``workers`` <= 1).
+    Leaving the block normally waits for the workers; leaving it on an exception (KeyboardInterrupt included)
+    cancels the queued jobs and terminates the workers with a bounded join (SIGTERM, then SIGKILL after
+    ``JOIN_S``), so an interrupt never waits on a worker's work or pipe."""
+
+    JOIN_S = 2.0
+
+    def __init__(self, workers: int):
+        self.workers, self.pool = workers, None
+
+    def __enter__(self):
+        if self.workers > 1:
+            from concurrent.futures import ProcessPoolExecutor
+            self.pool = ProcessPoolExecutor(self.workers, initializer=_ignore_sigint)
+        return self
+
+    def __exit__(self, typ, exc, tb) -> None:
+        if self.pool is None:
+            return
+        if typ is None:
+            self.pool.shutdown(wait=True)
+            return
+        with sigint_ignored():
+            self._terminate()
+
+    def _terminate(self) -> None:
+        # The executor has no terminate(): its internals are taken before shutdown forgets them. A worker killed
+        # while it sends a result leaves the executor's manager thread reading the rest of that message forever
+        # (the parent holds the result pipe's write end too), and interpreter exit joins that thread: closing
+        # the parent's write end once the workers are gone ends the read (EOF), the executor marks itself
+        # broken and the thread exits.
+        pool = self.pool
+        procs = list((getattr(pool, "_processes", None) or {}).values())
+        results = getattr(pool, "_result_queue", None)
+        manager = getattr(pool, "_executor_manager_thread", None)
+        pool.shutdown(wait=False, cancel_futures=True)
+        for p in procs:
+            with contextlib.suppress(OSError, ValueError):
+                p.terminate()
+        deadline = time.monotonic() + self.JOIN_S
+        for p in procs:
+            with contextlib.suppress(OSError, ValueError):
+                p.join(max(0.0, deadline - time.monotonic()))
+                if p.is_alive():
+                    p.kill()
+                    p.join(self.JOIN_S)
+        writer = getattr(results, "_writer", None)
+        if writer is not None:
+            with contextlib.suppress(OSError):
+                writer.close()
+        if manager is not None:
+            manager.join(self.JOIN_S)
+
+    def ordered(self, jobs):
+        """(job, result) in job order; with a pool at most 2·workers jobs are in flight (bounded memory)."""
+        if self.pool is None:
+            for j in jobs:
+                yield j, _run_job(j)
+            return
         window: collections.deque = collections.deque()
         for j in jobs:
-            window.append((j, pool.submit(_run_job, j)))
-            if len(window) >= 2 * workers:
+            window.append((j, self.pool.submit(_run_job, j)))
+            if len(window) >= 2 * self.workers:
                 jj, f = window.popleft()
                 yield jj, f.result()
         while window:
@@ -270,22 +344,25 @@ def _ordered(jobs, workers: int):
             yield jj, f.result()
 
 
-def _write_data(src: SyntheticWeights, names: list[str], fh, workers: int) -> int:
-    """Stream the data section of a shard holding ``names``; returns bytes written."""
+def _write_data(src: SyntheticWeights, names: list[str], fh, pool: _Pool, step=None) -> int:
+    """Stream the data section of a shard holding ``names``; returns bytes written (``step(n)`` after each
+    write of n bytes)."""
     total, scales = 0, {}
-    for job, (data, sc) in _ordered(_jobs(src, names), workers):
+    for job, (data, sc) in pool.ordered(_jobs(src, names)):
         if job[0] == "scale":
             data = np.concatenate(scales.pop(job[1])).tobytes()
         elif sc is not None:
             scales.setdefault(job[1].name, []).append(sc)
         fh.write(data)
         total += len(data)
+        if step:
+            step(len(data))
     return total
 
 
 def write_checkpoint(cfg: ModelConfig, out_dir: str | Path, seed: int = 0, *, tokenizer: str = "require",
                      max_shard_bytes: int = MAX_SHARD_BYTES, single_file: bool = False, max_shards: int | None = None,
-                     workers: int = 1, log=None) -> dict:
+                     workers: int = 1, log=None, progress: str | None = None) -> dict:
     """Write a synthetic checkpoint of ``cfg`` into ``out_dir`` (created; existing files are overwritten):
     config.json, generation_config.json, ``model.safetensors.index.json`` + ``model-000NN-of-000MM.safetensors``
     shards of at most ``max_shard_bytes`` (or one ``model.safetensors`` with ``single_file``), and the
@@ -294,8 +371,11 @@ def write_checkpoint(cfg: ModelConfig, out_dir: str | Path, seed: int = 0, *, to
     ``max_shards`` stops after that many shards (for timing a partial write): when shards are left out the
     index still maps every tensor to its planned shard and carries ``metadata.qwen_mk_partial`` (what was
     written), so :meth:`loader.checkpoint.Checkpoint.open` refuses the directory as an incomplete checkpoint
-    naming the absent shard files. ``workers`` > 1 generates chunks in that many processes (same bytes). Memory
-    stays bounded (a few generation chunks of ``CHUNK_ELEMS`` elements at a time). Returns {"seconds", "bytes"
+    naming the absent shard files. ``workers`` > 1 generates chunks in that many processes (same bytes; they
+ignore SIGINT, and on KeyboardInterrupt or an error the parent terminates them before re-raising). Memory
+    stays bounded (a few generation chunks of ``CHUNK_ELEMS`` elements at a time). ``log(str)`` gets a line per
+    shard; ``progress`` (a label saying what is written where) shows a bar of the shard bytes on stderr when it is
+    a terminal (``loader.progress``). Returns {"seconds", "bytes"
     (written), "shards" (written), "total_shards" (of the complete checkpoint), "tokenizer"}.
     """
     if tokenizer not in ("require", "optional", "skip"):
@@ -325,16 +405,21 @@ def write_checkpoint(cfg: ModelConfig, out_dir: str | Path, seed: int = 0, *, to
     exp = expected_tensors(cfg)
     full_size = sum(math.prod(exp[n][0]) * np.dtype(getattr(ml_dtypes, exp[n][1])).itemsize for n in exp)
     src, weight_map, total = SyntheticWeights(cfg, seed), {}, 0
-    for k, names in enumerate(shards):
-        fn = SINGLE_FILE if single_file else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        weight_map.update((stored_name(cfg, n), fn) for n in names)  # every planned shard, written or not
-        if k >= n_write:
-            continue
-        with open(out / fn, "wb") as fh:
-            fh.write(_header(cfg, names))
-            total += _write_data(src, names, fh, workers)
-        if log:
-            log(f"{fn}: {len(names)} tensors, {total / 1e9:.2f} GB so far, {time.perf_counter() - t0:.1f} s")
+    to_write = sum(math.prod(exp[n][0]) * np.dtype(getattr(ml_dtypes, exp[n][1])).itemsize
+                   for names in shards[:n_write] for n in names)
+    from loader.progress import Progress
+    with _Pool(workers) as pool, Progress(to_write, progress or "", progress is not None) as bar:
+        for k, names in enumerate(shards):
+            fn = SINGLE_FILE if single_file else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            weight_map.update((stored_name(cfg, n), fn) for n in names)  # every planned shard, written or not
+            if k >= n_write:
+                continue
+            with open(out / fn, "wb") as fh:
+                fh.write(_header(cfg, names))
+                total += _write_data(src, names, fh, pool, bar.update)
+            if log:
+                bar.log(log, f"{fn}: {len(names)} tensors, {total / 1e9:.2f} GB so far, "
+                             f"{time.perf_counter() - t0:.1f} s")
     if not single_file:
         meta: dict = {"total_size": full_size}
         if n_write < len(shards):
@@ -362,12 +447,13 @@ def generator_hash() -> str:
 
 
 def ensure_checkpoint(preset: str, seed: int = 0, cache_dir: str | Path | None = None, *,
-                      tokenizer: str = "require") -> Path:
+                      tokenizer: str = "require", progress: bool = False) -> Path:
     """Path of a cached synthetic checkpoint of preset ``preset`` (``<cache>/ckpt-<preset>-seed<seed>``,
     cache = ``cache_dir`` or ``$QWEN_MK_CACHE`` or ``~/.cache/qwen-mk``), written on first use and rewritten
     when :func:`generator_hash` changes. Safe against concurrent callers (file lock; written into a temp
-    directory, then renamed; an error removes the temp directory). Raises ConfigError for an unknown preset; ``tokenizer`` as in write_checkpoint
-    (a cached copy without tokenizer files is rewritten when they are required)."""
+    directory, then renamed; an error or Ctrl-C removes the temp directory). Raises ConfigError for an unknown
+    preset; ``tokenizer`` as in write_checkpoint (a cached copy without tokenizer files is rewritten when they are required). ``progress``: a bar of the bytes
+    written on stderr while the checkpoint is written, when stderr is a terminal."""
     import fcntl
 
     from loader.config import preset as get_preset
@@ -391,11 +477,13 @@ def ensure_checkpoint(preset: str, seed: int = 0, cache_dir: str | Path | None =
         tmp = root / f".tmp-{preset}-seed{seed}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            write_checkpoint(cfg, tmp, seed, tokenizer=tokenizer)
+            write_checkpoint(cfg, tmp, seed, tokenizer=tokenizer,
+                             progress=f"synthetic {preset} checkpoint -> {final}" if progress else None)
             (tmp / STAMP).write_text(want + "\n")
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)
-        finally:  # a failed write (a full disk) leaves no partial checkpoint
-            shutil.rmtree(tmp, ignore_errors=True)
+        finally:  # an error or Ctrl-C leaves no partial checkpoint behind
+            with sigint_ignored():
+                shutil.rmtree(tmp, ignore_errors=True)
     return final

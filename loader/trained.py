@@ -145,10 +145,12 @@ def load_tensors(name: str) -> dict[str, np.ndarray]:
     return out
 
 
-def write_checkpoint(name: str, out_dir: str | Path, log=None) -> dict:
+def write_checkpoint(name: str, out_dir: str | Path, log=None, progress: str | None = None) -> dict:
     """Expand trained model ``name`` into ``out_dir`` (created): config.json, generation_config.json, one
     ``model.safetensors`` in the real format, tokenizer.json + tokenizer_config.json. ``log(str)`` gets progress
-    lines. Returns {"bytes", "tensors"}."""
+    lines (``i/N tensors``); ``progress`` (a label saying what is written where) shows a bar of the bytes on stderr
+    instead when it is a terminal (``loader.progress``). Returns {"bytes", "tensors"}."""
+    from loader.progress import Progress
     from loader.synthetic import GENERATION_CONFIG, config_json
     from loader.tokenizer import TEMPLATE_PATH, write_tokenizer_files
 
@@ -165,11 +167,12 @@ def write_checkpoint(name: str, out_dir: str | Path, log=None) -> dict:
         off += nb
     raw = json.dumps(hdr, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    with open(out / "model.safetensors", "wb") as fh:
+    with open(out / "model.safetensors", "wb") as fh, Progress(off, progress or "", progress is not None) as bar:
         fh.write(len(raw).to_bytes(8, "little") + raw)
         for i, n in enumerate(names):
             fh.write(np.ascontiguousarray(tensors[n]).tobytes())
-            if log and (i + 1) % 40 == 0:
+            bar.update(tensors[n].nbytes)
+            if log and not bar.shown and (i + 1) % 40 == 0:
                 log(f"{i + 1}/{len(names)} tensors")
     (out / "config.json").write_text(json.dumps(config_json(cfg), indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
@@ -178,11 +181,13 @@ def write_checkpoint(name: str, out_dir: str | Path, log=None) -> dict:
     return {"bytes": off + len(raw) + 8, "tensors": len(names)}
 
 
-def ensure_checkpoint(name: str, cache_dir: str | Path | None = None, log=None) -> Path:
+def ensure_checkpoint(name: str, cache_dir: str | Path | None = None, log=None, progress: bool = False) -> Path:
     """Path of the expanded checkpoint of trained model ``name`` in the cache (``<cache>/<name>``, cache =
     ``cache_dir`` or ``$QWEN_MK_CACHE`` or ``~/.cache/qwen-mk``), written on first use and rewritten when
     :func:`artefact_hash` changes. Concurrent callers are serialised by a file lock; written into a temporary
-    sibling and renamed, so an error leaves no partial checkpoint (the temporary directory is removed)."""
+    sibling and renamed, so an error leaves no partial checkpoint (the temporary directory is removed). ``log(str)``
+    gets a first line saying what is written where, then progress lines; ``progress``: a bar of the bytes written
+    on stderr instead of those lines, when stderr is a terminal."""
     import fcntl
 
     artefact_dir(name)
@@ -206,7 +211,8 @@ def ensure_checkpoint(name: str, cache_dir: str | Path | None = None, log=None) 
         if log:
             log(f"writing its checkpoint into {final} (first use; {WRITTEN_MB} MB, a few seconds)")
         try:
-            write_checkpoint(name, tmp, log=log)
+            label = f"{name} -> {final / 'model.safetensors'}" if progress else None
+            write_checkpoint(name, tmp, log=log, progress=label)
             (tmp / STAMP).write_text(want + "\n")
             if final.exists():
                 shutil.rmtree(final)

@@ -2,7 +2,8 @@
 
 The checkpoint is written into a temporary sibling directory of OUT (``.<name>.tmp-<pid>``) and renamed into
 place when complete, so OUT never holds a half-written checkpoint (an error or Ctrl-C removes the temporary
-directory). An OUT that exists and is not empty is refused unless ``--force`` replaces it.
+directory). Ctrl-C (SIGINT, to the process group or to this process alone) stops the generator processes and
+exits 130 with one line, ``qwen-mk: error: interrupted: nothing was written to --out OUT``. An OUT that exists and is not empty is refused unless ``--force`` replaces it.
 
 ``--max-shards N`` writes a partial checkpoint on purpose (for timing the writer): only the first N shards, but
 the index maps every tensor to its planned shard and marks the write partial (``metadata.qwen_mk_partial``), so
@@ -17,7 +18,10 @@ from pathlib import Path
 import click
 
 from loader.config import PRESETS, preset
-from loader.synthetic import MAX_SHARD_BYTES, write_checkpoint
+from host.errors import GenerationInterrupted
+from loader.synthetic import MAX_SHARD_BYTES, sigint_ignored, write_checkpoint
+
+INTERRUPTED = GenerationInterrupted.exit_code  # 130, README's exit code of an interrupt (Ctrl-C)
 
 
 def _remove(p: Path) -> None:
@@ -102,24 +106,30 @@ def command(preset_name: str, out: str, force: bool, seed: int, shard_bytes: int
         try:
             res = write_checkpoint(preset(preset_name), tmp, seed, tokenizer="skip" if no_tokenizer else "require",
                                    max_shard_bytes=shard_bytes, max_shards=max_shards, workers=workers,
-                                   log=click.echo)
+                                   log=click.echo, progress=f"{preset_name} checkpoint -> {out}")
         except RuntimeError as e:  # the tokenizer writer is unavailable
             raise click.ClickException(f"cannot write the checkpoint to --out {out}: {e}") from None
-        if entries:  # --force: move the old directory aside, the new one in, then delete the old one
-            old = dest.parent / f".{dest.name}.old-{os.getpid()}"
-            os.rename(dest, old)
-            try:
+        with sigint_ignored():  # the renames are not broken off half-way by Ctrl-C
+            if entries:  # --force: move the old directory aside, the new one in, then delete the old one
+                old = dest.parent / f".{dest.name}.old-{os.getpid()}"
+                os.rename(dest, old)
+                try:
+                    os.rename(tmp, dest)
+                except OSError:
+                    os.rename(old, dest)
+                    raise
+                _remove(old)
+            else:  # absent or empty: one rename (replaces an empty directory; fails if OUT filled up meanwhile)
                 os.rename(tmp, dest)
-            except OSError:
-                os.rename(old, dest)
-                raise
-            _remove(old)
-        else:  # absent or empty: one rename (replaces an empty directory; fails if OUT filled up meanwhile)
-            os.rename(tmp, dest)
     except OSError as e:  # unwritable or full destination: one line naming the path, non-zero exit
         raise fail(e) from None
+    except KeyboardInterrupt:  # Ctrl-C: the workers are stopped (loader.synthetic); exit 130, one line
+        e = click.ClickException(f"interrupted: nothing was written to --out {out}")
+        e.exit_code = INTERRUPTED
+        raise e from None
     finally:
-        _remove(tmp)
+        with sigint_ignored():  # a second Ctrl-C cannot leave the temporary directory behind
+            _remove(tmp)
     planned = res.get("total_shards", res["shards"])
     partial = res["shards"] < planned
     shards = f"{res['shards']} of {planned} shards" if partial else f"{res['shards']} shard(s)"

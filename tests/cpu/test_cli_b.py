@@ -177,6 +177,9 @@ def test_make_checkpoint_never_leaves_a_half_written_checkpoint(tmp_path, fake_w
     assert r.exit_code != 0 and "Traceback" not in r.output
     if isinstance(fail, OSError):
         assert f"cannot write the checkpoint to --out {out}: No space left on device" in r.output
+    else:  # README: 130 interrupted, one line (not click's "Aborted!", exit 1)
+        assert r.exit_code == 130 and "Aborted" not in r.output, r.output
+        assert r.output.strip() == f"qwen-mk: error: interrupted: nothing was written to --out {out}"
     if existing:  # the old checkpoint is untouched
         assert sorted(p.name for p in out.iterdir()) == ["config.json"]
         assert json.loads((out / "config.json").read_text()) == {"old": True}
