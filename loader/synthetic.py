@@ -452,8 +452,9 @@ def ensure_checkpoint(preset: str, seed: int = 0, cache_dir: str | Path | None =
     cache = ``cache_dir`` or ``$QWEN_MK_CACHE`` or ``~/.cache/qwen-mk``), written on first use and rewritten
     when :func:`generator_hash` changes. Safe against concurrent callers (file lock; written into a temp
     directory, then renamed; an error or Ctrl-C removes the temp directory). Raises ConfigError for an unknown
-    preset; ``tokenizer`` as in write_checkpoint (a cached copy without tokenizer files is rewritten when they are required). ``progress``: a bar of the bytes
-    written on stderr while the checkpoint is written, when stderr is a terminal."""
+    preset; ``tokenizer`` as in write_checkpoint (a cached copy without tokenizer files is rewritten when they
+    are required). ``progress``: a bar of the bytes written on stderr while the checkpoint is written, when
+    stderr is a terminal."""
     import fcntl
 
     from loader.config import preset as get_preset
