@@ -290,7 +290,7 @@ def test_sharded_parallel_write_matches(tmp_path, tiny_ckpt):
 def test_ensure_checkpoint_caches_and_rewrites(tmp_path, monkeypatch):
     calls = []
 
-    def fake_write(cfg, out, seed, tokenizer):
+    def fake_write(cfg, out, seed, tokenizer, progress=None):
         calls.append((cfg.name, seed))
         out.mkdir(parents=True)
         (out / "config.json").write_text("{}")
