@@ -1,6 +1,6 @@
-"""bench/probes/spill_map.py: the SASS parser counts STL / LDL under the innermost source line (predicated ones
+"""tools/spill_map.py: the SASS parser counts STL / LDL under the innermost source line (predicated ones
 too) and nothing else; a snippet with no spills counts none (so the count can fail)."""
-from bench.probes.spill_map import spills
+from tools.spill_map import spills
 
 SASS = '''
         //## File "/x/discrete/kernels/gemv.cuh", line 349 inlined at "/x/megakernel/megakernel.cu", line 100

@@ -1,7 +1,7 @@
 """Refit est_step_ms's GEMV constants (assembler/program.py ``MK_*``) to the megakernel's measured timing build.
 
-``python3 -m bench.probes.est_fit [--timings bench/results/megakernel_timings.json]`` (CPU; reads the JSON that
-``bench.bench_megakernel`` writes from the QMK_MK_TIMING build on the H200).
+``python3 -m tools.cost_fit [--timings bench/results/megakernel_timings.json.gz]`` (CPU; reads the gzip'd JSON
+that ``bench.bench_megakernel`` writes from the QMK_MK_TIMING build on the H200; a plain ``.json`` is read too).
 
 Every GEMV instruction of the timed 27B decode program (the runner's default: GDN steps per value head) is matched
 to its words by (SM, index) — the program is rebuilt here from the same assembler, so a schedule change since the
@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from assembler import program as P  # noqa: E402
 from assembler.isa import local_reduce, sub_parts  # noqa: E402
@@ -37,7 +39,7 @@ def rows(timings: dict):
     for sm, j, opc, opn, _layer, _f, s, e in timings["instructions"]:
         ins = p.sm_lists[sm][j]
         if p.graph.ops[ins.op].name != opn:
-            raise SystemExit(f"est_fit: instruction ({sm}, {j}) is {p.graph.ops[ins.op].name} here, {opn} in the "
+            raise SystemExit(f"cost_fit: instruction ({sm}, {j}) is {p.graph.ops[ins.op].name} here, {opn} in the "
                              f"timing run: the schedule changed since; time the current program first")
         if opc != "GEMV":
             continue
@@ -68,9 +70,11 @@ def model(c: dict, eff8, eff16, kblock, pro: dict) -> np.ndarray:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--timings", default="bench/results/megakernel_timings.json")
+    ap.add_argument("--timings", default=str(ROOT / "bench" / "results" / "megakernel_timings.json.gz"))
     a = ap.parse_args(argv)
-    t = json.loads(Path(a.timings).read_text())["timings"]
+    path = Path(a.timings)
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    t = json.loads(text)["timings"]
     x = rows(t)
     c = columns(x)
     dur = c["dur"]

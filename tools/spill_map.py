@@ -1,10 +1,10 @@
-"""Where the megakernel spills, by source line (session 8 probe; offline, no GPU): compiles ``mk_main`` with nvcc as
+"""Where the megakernel spills, by source line (offline, no GPU): compiles ``mk_main`` with nvcc as
 ``discrete.compile_check`` does (same translation unit, ``-lineinfo``), disassembles it with ``nvdisasm
 --print-line-info`` and counts the local-memory spill instructions (STL / LDL) under the innermost source line each
-belongs to. Session 8 used it to see that the chunked RMSNorm, inlined twice, put spill stores inside the GEMV loop
-(gemv.cuh / the mma) and that the GDN step spills its conv inputs right after loading them (docs/megakernel.md).
+belongs to — e.g. spill stores that a change elsewhere in ``mk_main`` moved inside the GEMV loop (gemv.cuh / the
+mma), or a step spilling its inputs right after loading them (docs/megakernel.md).
 
-``python3 -m bench.probes.spill_map [--preset P] [--general] [--fuse-reduce] [-D NAME=VALUE ...] [--top N]
+``python3 -m tools.spill_map [--preset P] [--general] [--fuse-reduce] [-D NAME=VALUE ...] [--top N]
 [--by-file] [--sass FILE]``. Needs nvcc and nvdisasm (PATH, /usr/local/cuda/bin, or the ``nvidia`` / ``triton``
 pip packages' bin folders); exits 2 naming the missing tool.
 """
@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 LINE = re.compile(r'//## File "([^"]+)", line (\d+)')

@@ -1,6 +1,6 @@
 """Opcode histogram of a kernel's hottest loop in SASS, offline (no GPU): what a GEMV unit costs in instructions.
 
-``python3 -m bench.probes.sass_hist [--unit discrete/kernels/gemv.cu] [--kernel gemv_fp8_partial_m1r]
+``python3 -m tools.sass_hist [--unit discrete/kernels/gemv.cu] [--kernel gemv_fp8_partial_m1r]
 [--preset qwen3.5-27b] [--define NAME=VALUE ...] [--json]``
 
 Builds the unit's translation unit exactly as ``discrete.compile_check`` does (the preset's defines, plus
@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
 BRANCH = re.compile(r"BRA\s+(?:\S+,\s*)?0x([0-9a-f]+)")
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=1, help="how many loops to show (densest first)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    from bench.probes.spill_map import find_tool
+    from tools.spill_map import find_tool
     a.cuobjdump = a.cuobjdump or find_tool("cuobjdump")
     if not a.cuobjdump:
         print("sass_hist: cuobjdump not found (see the module docstring: the nvidia-cuda-cuobjdump wheel)",

@@ -1,12 +1,10 @@
-"""Megakernel build variants on the H200 (issue 7): which GEMV build knobs make the 27B step fastest?
-``python3 -m bench.probes.mk_variants [--out DIR] [--steps 20] [--rounds 3]`` (device; JSON to --out).
+"""Megakernel build variants on the H200: which build knobs and program forms make the 27B step fastest?
+``python3 -m tools.mk_variants [--only a,b,...] [--out DIR] [--steps 20] [--rounds 3]`` (device; JSON to --out).
 
-Knobs (none changes a result; each variant is gated bit-identical to the graph path before it is timed):
-``fuse_reduce`` (program: split-K reduce in the GEMV instructions or GEMV_REDUCE instructions),
-``QMK_MK_FUSE_REDUCE`` (fused tail compiled into mk_gemv or not), ``QMK_MK_RING`` (ring slots per warp),
-``QMK_MK_PREFETCH`` (a GEMV issues its first RING - 1 ring units per warp before waiting for its input).
-Results of the session-3 runs (deeper rings, a one-row normed-input buffer, a decoupled prefetch depth) are
-in docs/megakernel.md.
+A variant is a program form (``fuse_reduce``; ``_defer_reduce``, ``_local_reduce``, ``_mlp_groups``) and/or extra
+``QMK_*`` defines of the megakernel module (none changes a result). Each is gated bit-identical to the graph path
+before it is timed. Add a variant to :func:`variants` to A/B a new knob; what earlier variants measured is in
+bench/EXPERIMENTS.md.
 
 Method: 27B synthetic weights, context 1024; all modules compiled first in parallel processes; per variant one
 gate step (graph replay vs one megakernel step, every buffer bit-identical: megakernel.runner.compare_steps),
@@ -20,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.harness import bandwidth, events_ms, result_file  # noqa: E402
 
@@ -28,35 +26,28 @@ PRESET, CTX = "qwen3.5-27b", 1024
 
 
 def variants() -> list[tuple[str, bool, dict]]:
-    """(name, fuse_reduce, extra defines) in timing order; the first is the default build. Session 7 runs (after
-    the per-op balanced schedule, docs/megakernel.md; JSON in bench/probes/run11/) measured and rejected: the
-    GEMV code as real calls (QMK_MK_GEMV_NOINLINE), the GDN state and a/b rows prefetched into L2 an instruction
-    ahead (QMK_MK_GDN_L2), a GEMV's weight slice bulk-prefetched into L2 before its waits (QMK_MK_L2_SLICE) —
-    patches in bench/probes/rejected_mk_*.patch — and, no gain, the GDN step's interleaved warp sums (CH 4 / 8).
-    Earlier sessions' variants are in docs/megakernel.md."""
+    """(name, fuse_reduce, extra defines) in timing order; the first is the default build, each other one turns
+    one default off (or a candidate on). Defines starting with ``_`` are program knobs, not compiler defines."""
     return [
         ("default", False, {}),
         ("fused", True, {}),
-        # session 8: residual split-K reduces in the consumers' prologues (the default) or as GEMV_REDUCE stages
+        # residual split-K reduces in the consumers' prologues (the default) or as GEMV_REDUCE stages
         ("no_defer", False, {"_defer_reduce": 0}),
-        # session 9: the GDN step's conv inputs sized for M rows (the M = 1 build's default: 1 row), the GDN step's
-        # norm taken from xn when its SM's in-projection left it there, ARGMAX with 16-byte loads in flight
+        # the GDN step's conv inputs sized for M rows (the M = 1 build's default: 1 row), the GDN step's norm taken
+        # from xn when its SM's in-projection left it there, ARGMAX with 16-byte loads in flight
         ("gdn_mr8", False, {"QMK_MK_GDN_MR": 8}),
         ("no_xn_reuse", False, {"QMK_MK_XN_REUSE": 0}),
         ("argmax_scalar", False, {"QMK_MK_ARGMAX_VEC": 0, "QMK_MK_KEYS": 0}),
-        # session 9, later: the in-projections reduced on their own instructions (scheduler local_reduce), the
-        # head's per-SM best keys for the ARGMAX, the GDN state copied to shared memory before the step's wait
+        # the in-projections reduced on their own instructions (scheduler local_reduce), the head's per-SM best keys
+        # for the ARGMAX, the GDN state copied to shared memory before the step's wait
         ("no_local", False, {"_local_reduce": 0}),
         ("no_keys", False, {"QMK_MK_KEYS": 0}),
-        ("gdn_state_prefetch", False, {"QMK_MK_GDN_STATE_PREFETCH": 1}),  # rejected: +0.15 ms (docs/megakernel.md)
-        # session 10 (not yet run on the H200): gate|up grouped per down split, down split j waiting only on its
-        # group and cut by when its group ends (graph mlp_groups; est_step −0.19 ms)
+        ("gdn_state_prefetch", False, {"QMK_MK_GDN_STATE_PREFETCH": 1}),  # rejected: +0.15 ms (bench/EXPERIMENTS.md)
+        # not yet measured: gate|up grouped per down split, down split j waiting only on its group and cut by when
+        # its group ends (graph mlp_groups; est_step −0.19 ms)
         ("mlp_groups", False, {"_mlp_groups": 1}),
-        # session 10, with bench/probes/pending_e4m3_signrep.patch applied (before it the define is ignored): the
-        # previous e4m3 widening as the control of the sign-replicate one
-        ("e4m3_placed", False, {"QMK_E4M3_SIGNREP": 0}),
-        # session 8: the counter protocol (sync.cuh, mk_wait_all); the default is fence 0, acquire polls, no sleep
-        ("sync_s7", False, {"QMK_MK_BUMP_FENCE": 1, "QMK_MK_POLL_ACQUIRE": 0, "QMK_MK_SPIN_NS": 32}),
+        # the counter protocol (sync.cuh, mk_wait_all); the default is fence 0, acquire polls, no sleep
+        ("sync_fence_poll_spin", False, {"QMK_MK_BUMP_FENCE": 1, "QMK_MK_POLL_ACQUIRE": 0, "QMK_MK_SPIN_NS": 32}),
         ("bump_fence", False, {"QMK_MK_BUMP_FENCE": 1}),
         ("poll_relaxed", False, {"QMK_MK_POLL_ACQUIRE": 0}),
         ("spin32", False, {"QMK_MK_SPIN_NS": 32}),
