@@ -31,9 +31,9 @@ from loader.config import preset  # noqa: E402
 
 # (name, rows, cols, fp8, epilogue, calls per token of the 27B: 48 GDN + 16 attention layers, + lm_head). The
 # calls are the decode step's launches (discrete/step.py): the GDN in-projection is one launch over the fused
-# in_proj_qkv|z rows ("gdn_in"); its two parts stay timed alone for comparison with earlier runs (0 calls), and
-# in_proj_b|a is computed inside the GDN step, never launched as a GEMV (0 calls; before session 6 its 96 calls
-# were counted, ≈ 0.6 ms of fused launches the step does not make).
+# in_proj_qkv|z rows ("gdn_in"); its two parts stay timed alone for comparison (0 calls), and in_proj_b|a is
+# computed inside the GDN step, never launched as a GEMV (0 calls: counting its 96 calls would add ≈ 0.6 ms of
+# fused launches the step does not make).
 def shapes(cfg):
     h, f, nl = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     ng, na = len(cfg.linear_layers), len(cfg.full_layers)
@@ -58,8 +58,8 @@ def check_rows(out_u16, w, s, x, rows, S):
 
 # build variants (results must not depend on them). QMK_GEMV_M1 picks the M = 1 kernel (0: the general kernel,
 # 1: *_m1 cp.async ring, 2: *_m1r register tile, 3: *_m1t* TMA ring; default: the rule of discrete/gemv.py).
-# Earlier sweeps (ringR = QMK_GEMV_RING_MAX, cpB = QMK_GEMV_CP_L2, xbranch = QMK_GEMV_X_MASK) are in the run-4 and
-# run-8 JSON (docs/kernels-gemv.md).
+# What the other GEMV knobs measured (ring depth QMK_GEMV_RING_MAX, L2 hint QMK_GEMV_CP_L2, QMK_GEMV_X_MASK) is in
+# bench/EXPERIMENTS.md.
 VARIANTS = {"noM1": {"QMK_GEMV_M1": 0}, "m1ring": {"QMK_GEMV_M1": 1}, "m1reg": {"QMK_GEMV_M1": 2},
             "m1tma": {"QMK_GEMV_M1": 3}, "tma_kpb2": {"QMK_GEMV_M1": 3, "QMK_GEMV_TMA_KPB": 2},
             "tma_kpb1": {"QMK_GEMV_M1": 3, "QMK_GEMV_TMA_KPB": 1}}

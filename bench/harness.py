@@ -76,30 +76,6 @@ def bandwidth(nbytes: int, ms: float) -> dict:
     return {"bytes": int(nbytes), "gbps": round(gbps, 1), "pct_of_4468": round(100.0 * gbps / H200_READ_GBPS, 2)}
 
 
-def step_variant_rounds(cfg, steps: dict, reps: int, ctx: int, token: int, fields, log, rounds: int = 2) -> list[dict]:
-    """Whole-step timing of captured ``discrete.step.DecodeStep`` variants (``steps``: label -> step), interleaved
-    over ``rounds`` rounds so drift shows: per variant the median of ``reps`` single replays (after 3 warm-ups) and a
-    back-to-back loop of ``reps`` replays, each from position ``ctx`` with ``token``. ``fields(label)`` gives the
-    row's name and variant fields. Rows carry ms (= loop), bytes (weights + K/V at ctx), vs_floor and bandwidth."""
-    floor_ms = cfg.weight_bytes_per_token / (H200_READ_GBPS * 1e9) * 1e3
-    nbytes = cfg.weight_bytes_per_token + ctx * cfg.kv_bytes_per_token
-    rows = []
-    for rnd in range(rounds):
-        for label, st in steps.items():
-            s = st.stream
-            with s:
-                st.reset(pos=ctx, tokens=(token,))
-                med = float(np.median(replay_times_ms(st._graph, s, 3, reps)))
-                st.reset(pos=ctx, tokens=(token,))
-                loop = events_ms(s, lambda: [st._graph.launch(s) for _ in range(reps)], reps)
-            r = {"shape": f"{cfg.name} context {ctx}", "M": 1, "round": rnd, **fields(label),
-                 "graph_ms_median": round(med, 4), "graph_ms_loop": round(loop, 4), "ms": round(loop, 4),
-                 "bytes": nbytes, "correct": True, "vs_floor": round(loop / floor_ms, 3), **bandwidth(nbytes, loop)}
-            log(r)
-            rows.append(r)
-    return rows
-
-
 def device_meta() -> dict:
     import cupy as cp
     p = cp.cuda.runtime.getDeviceProperties(0)

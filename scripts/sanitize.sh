@@ -27,7 +27,7 @@ for r in "${runs[@]}"; do
     memcheck-mk) san memcheck megakernel 150 tests/gpu/test_megakernel.py \
         -k "test_m1_greedy_64_steps_bit_identical or test_m_rows_teacher_forced_bit_identical[3]" ;;
     memcheck-step) san memcheck step 70 tests/gpu/test_step.py -k "test_rows_bit_identical_to_single" ;;
-    # the default (reduce_instr) program's 6 variants, ≈ 35 s each under racecheck (all 12 outran a 150 s box, session 9)
+    # the default (reduce_instr) program's 6 variants, ≈ 35 s each under racecheck (all 12 outrun a 150 s box)
     racecheck-mk) san racecheck megakernel 420 tests/gpu/test_megakernel.py \
         -k "test_m1_greedy_64_steps_bit_identical and reduce_instr" ;;
     synccheck-mk) san synccheck megakernel 100 tests/gpu/test_megakernel.py \

@@ -1,6 +1,6 @@
 """The e4m3 → bf16 widening of the GEMV kernels (discrete/kernels/common.cuh), modelled bit for bit on every byte
 pair: the placed bits s.0000eeee.mmm0000 times 2^120 are the e4m3 value exactly (ml_dtypes), and the sign-replicate
-form of bench/probes/pending_e4m3_signrep.patch (prmt generic mode, shift, one mask) builds the same bits as the
+form of the e4m3 patch in bench/EXPERIMENTS.md (prmt generic mode, shift, one mask) builds the same bits as the
 current one (prmt, shift, two masks, or), so applying it cannot change a result."""
 import ml_dtypes
 import numpy as np
