@@ -26,7 +26,7 @@ TINY = preset("tiny")
 N_TOKENS = 64
 # Bounds for the activation statistics (measured on the tiny preset, seed 0: hidden RMS 1.00 → 1.44 over the
 # 8 layers, logits std 5.0, top-1/top-2 gap > 1 ulp at 57 of 64 positions). The gap fraction depends on the CPU's
-# bf16 matmul (session 9, a CPU with AMX-BF16: 47 of 64 = 73 %; the same model upcast to fp32: 80 %), so the bound
+# bf16 matmul (a CPU with AMX-BF16: 47 of 64 = 73 %; the same model upcast to fp32: 80 %), so the bound
 # sits well below both and well above the tied-logits control (logits rounded to multiples of 4: 27 %).
 RMS_RANGE = (0.3, 5.0)
 LOGIT_STD_RANGE = (2.5, 10.0)
