@@ -17,6 +17,7 @@ import pytest
 
 from loader.checkpoint import Checkpoint, dequantize
 from loader.config import preset
+from tests.tolerance import bf16_ulp
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -86,7 +87,7 @@ def activation_problems(hidden_rms: list[float], finite: bool, logits: np.ndarra
     if not LOGIT_STD_RANGE[0] <= std <= LOGIT_STD_RANGE[1]:
         bad.append(f"logits std {std:.3g} outside {LOGIT_STD_RANGE}")
     top = -np.sort(-logits, axis=-1)[:, :2]
-    ulp = 2.0 ** (np.floor(np.log2(np.abs(top[:, 0]))) - 7)  # bf16 ulp at the top logit
+    ulp = bf16_ulp(top[:, 0])  # bf16 ulp at the top logit
     clear = float(np.mean(top[:, 0] - top[:, 1] > ulp))
     if clear < MIN_CLEAR_TOP1:
         bad.append(f"top-1/top-2 gap > 1 bf16 ulp at only {clear:.0%} of positions (need {MIN_CLEAR_TOP1:.0%})")
