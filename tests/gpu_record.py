@@ -2,8 +2,9 @@
 sources landing are the ones that run verified.
 
 Hashed set (paths relative to the repository root, '/'-separated): every ``*.cu``, ``*.cuh``, ``*.h`` and
-``*.py`` under ``discrete/`` and ``megakernel/``, plus every ``*.py`` under ``tests/gpu/`` (a GPU test that
-was added or edited but never run is unverified too). Folders named ``__pycache__``, ``*.egg-info`` or
+``*.py`` under ``discrete/`` and ``megakernel/``, plus every ``*.py`` under ``tests/gpu/`` and the tolerance
+policy the GPU tests apply, ``tests/tolerance.py`` (a GPU test or tolerance that was added or edited but never run
+is unverified too). Folders named ``__pycache__``, ``*.egg-info`` or
 starting with '.' are skipped. Each file's SHA-256 is recorded; the combined hash is the SHA-256 of the
 lines ``"<path>\\0<sha256>\\n"`` in path order.
 
@@ -21,7 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RECORD_PATH = ROOT / "tests" / "gpu" / "RECORD.json"
 CUDA_EXTS = (".cu", ".cuh", ".h")
-HASHED = (("discrete", CUDA_EXTS + (".py",)), ("megakernel", CUDA_EXTS + (".py",)), ("tests/gpu", (".py",)))
+HASHED = (("discrete", CUDA_EXTS + (".py",)), ("megakernel", CUDA_EXTS + (".py",)), ("tests/gpu", (".py",)),
+          ("tests/tolerance.py", (".py",)))  # (folder or file, suffixes)
 SCHEMA = 1
 BAD_OUTCOMES = ("failed", "error", "xpassed")
 
@@ -35,9 +37,9 @@ def file_hashes(root: Path = ROOT) -> dict[str, str]:
     out = {}
     for folder, exts in HASHED:
         base = Path(root) / folder
-        if not base.is_dir():
+        if not base.exists():
             continue
-        for p in base.rglob("*"):
+        for p in (base.rglob("*") if base.is_dir() else [base]):
             rel = p.relative_to(root)
             if p.is_file() and p.suffix in exts and not _skipped_dir(rel):
                 out[rel.as_posix()] = hashlib.sha256(p.read_bytes()).hexdigest()

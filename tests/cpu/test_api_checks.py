@@ -3,7 +3,7 @@
 (a prompt takes at least one token) is an InvalidArgument before any work (vLLM raises on a request that cannot fit, too), and top_k / top_p / seed under
 greedy decoding raise an IgnoredArgumentWarning (the CLI prints the same warning as a stderr line, once).
 finish_detail ``capacity`` stays reachable where the prompt (a session's earlier turns) leaves too little room.
-Runs on the scripted executor of test_engine and the CLI with its engine loader patched (milliseconds)."""
+Runs on the scripted executor (tests/helpers.py) and the CLI with its engine loader patched (milliseconds)."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,8 +16,7 @@ import pytest
 import host.errors as errors
 from host.engine import Engine
 from host.errors import InvalidArgument
-from tests.cpu.test_cli import fake_engine, run  # noqa: F401  (fixture)
-from tests.cpu.test_engine import HashExecutor, _hash_engine, text_layer  # noqa: F401  (fixture)
+from tests.helpers import HashExecutor, hash_engine, run
 from loader.config import PRESETS
 
 HAIKU = [{"role": "user", "content": "Write a haiku about the sea"}]
@@ -27,7 +26,7 @@ HAIKU = [{"role": "user", "content": "Write a haiku about the sea"}]
 def test_api_refuses_max_new_tokens_above_capacity(text_layer):
     """Engine.generate / Engine.chat / Session.generate raise InvalidArgument naming the value and the capacity,
     before the executor runs anything; max_new_tokens == capacity - 1 is allowed (as the CLI's rule)."""
-    eng = _hash_engine(text_layer, capacity=20)
+    eng = hash_engine(text_layer, capacity=20)
     s = eng.new_session()
     calls = list(eng.executor.calls)
     for start in (lambda: eng.generate([1, 2, 3], max_new_tokens=20), lambda: eng.chat(HAIKU, max_new_tokens=20),
@@ -61,9 +60,9 @@ def test_api_default_max_new_tokens_fits_the_capacity(text_layer):
     assert gen.DEFAULT_MAX_NEW_TOKENS == DEFAULT_MAX_NEW_TOKENS == 256  # the CLI's help text names the same one
     p = SamplingParams()
     assert check_generation_args(p, None, 4096, 262144) == 256 and check_generation_args(p, None, 20, 262144) == 19
-    r = _hash_engine(text_layer, capacity=20).generate([1, 2], stop_ids=[]).result()
+    r = hash_engine(text_layer, capacity=20).generate([1, 2], stop_ids=[]).result()
     assert (r.finish_detail, len(r.ids)) == ("capacity", 20 - 2)
-    r = _hash_engine(text_layer, capacity=300).generate([1, 2], stop_ids=[]).result()
+    r = hash_engine(text_layer, capacity=300).generate([1, 2], stop_ids=[]).result()
     assert (r.finish_detail, len(r.ids)) == ("max_new_tokens", 256)
 
 
@@ -71,7 +70,7 @@ def test_api_default_max_new_tokens_fits_the_capacity(text_layer):
 def test_cli_and_api_agree_on_max_new_tokens(fake_engine, text_layer, capacity, n):
     """Same (capacity, max_new_tokens): the CLI exits with InvalidArgument's code exactly when the API raises it."""
     r = run(["generate", "--raw", "--capacity", str(capacity), "--max-new-tokens", str(n), "hi"])
-    eng = _hash_engine(text_layer, capacity=capacity)
+    eng = hash_engine(text_layer, capacity=capacity)
     try:
         eng.generate([1, 2], max_new_tokens=n).close()
         api_refused = False
@@ -104,7 +103,7 @@ def test_cli_and_api_call_the_same_check(monkeypatch, fake_engine):
 def test_capacity_finish_still_reached_when_earlier_turns_fill_the_session(text_layer):
     """max_new_tokens < capacity is checked up front; the room the prompt leaves is not (the prompt of a session
     turn is the whole conversation), so a later turn can still end with finish_detail capacity."""
-    eng = _hash_engine(text_layer, capacity=40)
+    eng = hash_engine(text_layer, capacity=40)
     s = eng.new_session()
     p1 = list(range(100, 110))
     r1 = s.generate(p1, max_new_tokens=20, stop_ids=[]).result()
@@ -120,7 +119,7 @@ def test_capacity_finish_still_reached_when_earlier_turns_fill_the_session(text_
                                       (dict(seed=3), ("seed",)),
                                       (dict(top_k=5, top_p=0.5, seed=3), ("top_k", "top_p", "seed"))], ids=str)
 def test_api_warns_on_sampling_args_under_greedy(text_layer, kw, names):
-    eng = _hash_engine(text_layer)
+    eng = hash_engine(text_layer)
     for call in (lambda: eng.generate([1, 2], max_new_tokens=2, **kw), lambda: eng.chat(HAIKU, max_new_tokens=2, **kw)):
         with pytest.warns(UserWarning, match=r"no effect under greedy decoding \(temperature 0\)") as rec:
             g = call()
@@ -137,7 +136,7 @@ def test_api_warns_on_sampling_args_under_greedy(text_layer, kw, names):
 @pytest.mark.parametrize("kw", [dict(temperature=0.7, top_k=5, top_p=0.5, seed=3),   # sampling uses them
                                 dict(top_k=0, top_p=1.0), dict()], ids=str)           # "off" values change nothing
 def test_api_no_warning_when_nothing_is_ignored(text_layer, kw):
-    eng = _hash_engine(text_layer)
+    eng = hash_engine(text_layer)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         eng.generate([1, 2], max_new_tokens=2, **kw).result()

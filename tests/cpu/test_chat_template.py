@@ -8,7 +8,6 @@ import pytest
 
 from loader.chat_template import ChatTemplate, ChatTemplateError, append_only
 from loader.tokenizer import write_tokenizer_files
-from tests.cpu.text_fixtures import tok  # noqa: F401 (fixture)
 
 SYS_HI = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi"}]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Forecast für eine Stadt",

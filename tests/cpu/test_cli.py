@@ -1,42 +1,17 @@
 """The CLI (``qwen-mk generate | chat | bench``) through click's CliRunner: one real run of the tiny model on
 the CPU, exit codes for every bad-input case, and chat/JSON mechanics on the scripted executor of
-test_engine (so they run in milliseconds)."""
+tests/helpers.py (so they run in milliseconds)."""
 from __future__ import annotations
 
 import json
 
 import pytest
-from click.testing import CliRunner
 
-from host.cli import main
-from host.engine import Engine
 from host.errors import (EmptyPrompt, ExecutorUnavailable, GenerationInterrupted, InvalidArgument, ModelLoadError,
                          PromptTooLong)
 from host.executors import gpu_available
 from loader.config import PRESETS
-from tests.cpu.test_engine import HashExecutor, text_layer  # noqa: F401  (fixture)
-
-
-def run(args, input=None):
-    return CliRunner().invoke(main, args, input=input)
-
-
-@pytest.fixture
-def fake_engine(monkeypatch, text_layer):  # noqa: F811
-    """Patch the CLI's engine loader to a scripted-executor engine; returns the list of engines made."""
-    made = []
-
-    def load(kw):
-        tok, tmpl = text_layer
-        e = Engine(PRESETS["tiny"], None, None, tok, tmpl, HashExecutor(capacity=kw["capacity"] or 4096))
-        made.append(e)
-        return e
-
-    import host.commands.chat as chat
-    import host.commands.generate as gen
-    monkeypatch.setattr(gen, "load_engine", load)
-    monkeypatch.setattr(chat, "load_engine", load)
-    return made
+from tests.helpers import HashExecutor, run
 
 
 def test_generate_tiny_on_cpu(tiny_ckpt):

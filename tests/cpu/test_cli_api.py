@@ -1,7 +1,7 @@
 """CLI and Python API details a vLLM / OpenAI user relies on: finish reasons (``stop`` / ``length`` with
 ``stop_reason`` and ``finish_detail``), ``Generation.text``, argument errors naming the argument, warnings for
 flags that have no effect, chat slash commands, and the synthetic-weights warning for ``--model DIR``.
-Loop mechanics run on the scripted executor of test_engine; the synthetic warning on the real tiny model."""
+Loop mechanics run on the scripted executor (tests/helpers.py); the synthetic warning on the real tiny model."""
 from __future__ import annotations
 
 import json
@@ -12,8 +12,7 @@ import pytest
 from host.engine import Engine
 from host.errors import ExecutorUnavailable, InvalidArgument
 from loader.config import IM_END_ID, PRESETS
-from tests.cpu.test_cli import fake_engine, run  # noqa: F401  (fixture)
-from tests.cpu.test_engine import _drain, _hash_engine, text_layer  # noqa: F401  (fixture)
+from tests.helpers import drain, hash_engine, run
 
 SYNTHETIC = "SYNTHETIC random weights"
 
@@ -22,7 +21,7 @@ SYNTHETIC = "SYNTHETIC random weights"
 def test_finish_reasons_use_vllm_names(text_layer):
     """finish_reason is stop | length (vLLM); stop_reason is the stop string or stop token id (None for EOS and
     for length); finish_detail keeps what the engine knows (max_new_tokens vs capacity, eos vs stop token)."""
-    eng = _hash_engine(text_layer, capacity=40)
+    eng = hash_engine(text_layer, capacity=40)
     body = eng.tokenizer.encode("Hello world. The end of it")
     cases = [  # (script, generate kwargs, finish_reason, stop_reason, finish_detail); max_new_tokens < capacity
         (body, dict(max_new_tokens=3), "length", None, "max_new_tokens"),
@@ -34,7 +33,7 @@ def test_finish_reasons_use_vllm_names(text_layer):
     ]
     for script, kw, reason, stop_reason, detail in cases:
         eng.executor.script = script
-        deltas, r = _drain(eng.generate(list(range(100, 110)), **kw))
+        deltas, r = drain(eng.generate(list(range(100, 110)), **kw))
         assert (r.finish_reason, r.stop_reason, r.finish_detail) == (reason, stop_reason, detail), kw
         assert (deltas[-1].finish_reason, deltas[-1].stop_reason) == (reason, stop_reason)
         assert all(d.finish_reason is None and d.stop_reason is None for d in deltas[:-1])
@@ -55,7 +54,7 @@ def test_cli_json_and_timing_line_finish(fake_engine):
 
 # ---------------------------------------------------------------------------------------------- Generation.text
 def test_generation_text(text_layer):
-    eng = _hash_engine(text_layer)
+    eng = hash_engine(text_layer)
     body = eng.tokenizer.encode("Hello world. The end of it")
     eng.executor.script = body
     g = eng.generate([7, 8], max_new_tokens=len(body))
@@ -149,8 +148,8 @@ def test_max_new_tokens_default_fits_a_small_capacity(fake_engine):
 
 
 def test_bad_capacity_is_named_not_max_new_tokens(tiny_ckpt):
-    # --capacity below 2 is now click's usage error naming the option (test_user_review_s6b), no longer the
-    # engine's "capacity: expected a positive integer": still named, and before any max_new_tokens check
+    # --capacity below 2 is click's usage error naming the option (test_sampling_extremes.py), not the engine's
+    # "capacity: expected a positive integer": named, and before any max_new_tokens check
     r = run(["generate", "--capacity", "0", "--model", str(tiny_ckpt), "--executor", "cpu", "hi"])
     assert r.exit_code == 2 and "Invalid value for '--capacity'" in r.stderr, r.output
     assert "max_new_tokens" not in r.stderr

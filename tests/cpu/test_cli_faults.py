@@ -15,23 +15,15 @@ import types
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from host.cli import main
 from host.errors import EnvironmentIOError, ExecutorUnavailable, InvalidArgument, ModelLoadError
-from tests.cpu.test_cli import fake_engine  # noqa: F401  (fixture)
-from tests.cpu.test_engine import text_layer  # noqa: F401  (fixture)
+from tests.helpers import run
 
 ROOT = Path(__file__).resolve().parents[2]
 ERROR = "qwen-mk: error:"
 GEN = ["generate", "--preset", "tiny", "--executor", "cpu", "--max-new-tokens", "2", "hi"]
 COMMANDS = {"generate": GEN, "generate --json": GEN[:1] + ["--json"] + GEN[1:], "inspect": ["inspect"],
             "--help": ["--help"]}
-
-
-def run(args, input=None):
-    """The CLI in this process (click's runner: stdout and stderr apart)."""
-    return CliRunner().invoke(main, args, input=input)
 
 
 def cli(args, cache: Path, stdout=subprocess.PIPE) -> subprocess.CompletedProcess:

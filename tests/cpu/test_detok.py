@@ -7,7 +7,7 @@ import pytest
 from loader.config import FIRST_PADDING_ID
 from loader.detok import StreamDetokenizer
 from loader.tokenizer import TokenizerError
-from tests.cpu.text_fixtures import byte_ids, spell, tok  # noqa: F401 (fixture)
+from tests.helpers import byte_ids, spell
 
 ISSUE_TEXT = "ďábelské 😊 👨\u200d👩\u200d👧\u200d👦 中文 é"
 

@@ -14,10 +14,11 @@ import pytest
 from host.engine import Engine
 from host.errors import (EmptyPrompt, EngineError, ExecutorUnavailable, GenerationInterrupted, InvalidArgument,
                          InvalidTokenId, ModelLoadError, PromptTooLong)
-from host.executors import Executor, StepOutput, gpu_available
+from host.executors import gpu_available
 from host.sampling import Sampler, SamplingParams, mask_padding
 from host.session import CKPT_ALIGN, _StopMatcher
 from loader.config import FIRST_PADDING_ID, IM_END_ID, PRESETS
+from tests.helpers import drain, hash_engine
 
 V = PRESETS["tiny"].vocab_size
 HAIKU = [{"role": "user", "content": "Write a haiku about the sea"}]
@@ -102,91 +103,12 @@ def test_stop_matcher_never_emits_past_stop(chunk):
 
 
 # ---------------------------------------------------------------------------------------------- loop mechanics
-class HashExecutor(Executor):
-    """Test double whose state is a hash of the whole token history, so any bookkeeping slip in the session
-    (a token dropped, run twice, or a wrong rewind) changes every later output. Each output puts the largest
-    logit on a padding id (the loop must mask it) and the next largest on ``script[k]`` (k-th output since
-    reset) or on a history-dependent ordinary id. ``interrupt_at`` raises KeyboardInterrupt in that step call
-    after scrambling the state, like a Ctrl-C in the middle of a real step."""
-
-    name, detail = "hash", "test double"
-
-    def __init__(self, capacity=512, slots=2, script=None):
-        self.capacity, self.slots, self.script = capacity, slots, list(script or [])
-        self._st, self._cur, self.calls, self.interrupt_at = [None] * slots, 0, [], None
-
-    def reset(self, slot=0):
-        self._st[slot] = [0, 14695981039346656037, 0]              # position, history hash, outputs
-        self._cur = slot
-
-    def select(self, slot):
-        self._cur = slot
-
-    @property
-    def position(self):
-        return self._st[self._cur][0]
-
-    def _feed(self, ids):
-        st = self._st[self._cur]
-        for t in ids:
-            assert st[0] < self.capacity, "ran past capacity"
-            st[1] = ((st[1] ^ int(t)) * 1099511628211) % (1 << 64)
-            st[0] += 1
-
-    def _out(self):
-        st = self._st[self._cur]
-        k, st[2] = st[2], st[2] + 1
-        tok = self.script[k] if k < len(self.script) else 1000 + st[1] % 100000
-        logits = np.full(V, -20.0, np.float32)
-        logits[tok] = 10.0
-        logits[FIRST_PADDING_ID + st[1] % (V - FIRST_PADDING_ID)] = 50.0
-        return StepOutput(logits=logits)
-
-    def prefill(self, ids):
-        assert len(ids) > 0
-        self.calls.append(("prefill", self.position, len(ids)))
-        self._feed(ids)
-        return self._out()
-
-    def step(self, token):
-        self.calls.append(("step", self.position, 1))
-        if self.interrupt_at is not None and len([c for c in self.calls if c[0] == "step"]) == self.interrupt_at:
-            self._st[self._cur][1] ^= 0xDEAD
-            raise KeyboardInterrupt
-        self._feed([token])
-        return self._out()
-
-    def state_snapshot(self):
-        return tuple(self._st[self._cur])
-
-    def state_restore(self, snap):
-        self._st[self._cur] = list(snap)
-
-
-@pytest.fixture(scope="module")
-def text_layer():
-    """The synthetic tokenizer (one per process, shared with the text-layer tests) and the shipped template."""
-    from loader.chat_template import ChatTemplate
-    from tests.cpu.text_fixtures import get_tokenizer
-    return get_tokenizer(), ChatTemplate.default()
-
-
-def _hash_engine(text_layer, **kw) -> Engine:
-    tok, tmpl = text_layer
-    return Engine(PRESETS["tiny"], None, None, tok, tmpl, HashExecutor(**kw))
-
-
-def _drain(g):
-    deltas = list(g)
-    return deltas, g.result()
-
-
 def test_stream_concatenates_to_result(text_layer):
-    eng = _hash_engine(text_layer)
+    eng = hash_engine(text_layer)
     text = "Ünïcödé 中文 😊 👨‍👩‍👧 done"
     script = eng.tokenizer.encode(text)
     eng.executor.script = script
-    deltas, r = _drain(eng.generate([1, 2, 3], max_new_tokens=len(script)))
+    deltas, r = drain(eng.generate([1, 2, 3], max_new_tokens=len(script)))
     assert "".join(d.text for d in deltas) == r.text == text
     assert [i for d in deltas for i in d.ids] == r.ids == script
     assert all(d.finish_reason is None for d in deltas[:-1]) and deltas[-1].finish_reason == r.finish_reason == "length"
@@ -195,7 +117,7 @@ def test_stream_concatenates_to_result(text_layer):
 
 
 def test_stop_token_and_stop_string(text_layer):
-    eng = _hash_engine(text_layer)
+    eng = hash_engine(text_layer)
     body = eng.tokenizer.encode("Hello world. The end of it")
     eng.executor.script = body + [IM_END_ID, 5, 6]
     r = eng.generate([7, 8], max_new_tokens=100).result()
@@ -203,7 +125,7 @@ def test_stop_token_and_stop_string(text_layer):
     for stop, want in ((["world."], "Hello "), (["e end", "zz"], "Hello world. Th"),
                        (["of it"], "Hello world. The end ")):
         eng.executor.script = body + [IM_END_ID]
-        deltas, r = _drain(eng.generate([7, 8], max_new_tokens=100, stop=stop))
+        deltas, r = drain(eng.generate([7, 8], max_new_tokens=100, stop=stop))
         assert (r.finish_reason, r.stop_reason) == ("stop", stop[0]), stop
         assert r.text == want == "".join(d.text for d in deltas), stop
         assert IM_END_ID not in r.ids
@@ -212,7 +134,7 @@ def test_stop_token_and_stop_string(text_layer):
 
 
 def test_capacity_and_prompt_limits(text_layer):
-    eng = _hash_engine(text_layer, capacity=20)
+    eng = hash_engine(text_layer, capacity=20)
     r = eng.generate(list(range(100, 115)), max_new_tokens=19, stop_ids=[]).result()   # prompt + reply <= capacity
     assert (r.finish_reason, r.finish_detail) == ("length", "capacity") and len(r.ids) == 20 - 15
     assert len(eng.generate(list(range(100, 119)), max_new_tokens=1).result().ids) == 1  # room for one: allowed
@@ -225,7 +147,7 @@ def test_capacity_and_prompt_limits(text_layer):
                                      ([FIRST_PADDING_ID], InvalidTokenId), ([V - 1], InvalidTokenId),
                                      ([1, 2.0], InvalidTokenId), ([True], InvalidTokenId)], ids=str)
 def test_bad_prompt_ids(text_layer, ids, err):
-    eng = _hash_engine(text_layer)
+    eng = hash_engine(text_layer)
     with pytest.raises(err):
         eng.generate(ids)
     assert eng.executor.calls == []                                # rejected before any work
@@ -235,14 +157,14 @@ def test_bad_prompt_ids(text_layer, ids, err):
                                 dict(stop_ids=[FIRST_PADDING_ID])], ids=str)
 def test_bad_generation_args(text_layer, kw):
     with pytest.raises(EngineError):
-        _hash_engine(text_layer).generate([1, 2], **kw)
+        hash_engine(text_layer).generate([1, 2], **kw)
 
 
 def test_session_append_runs_only_new_tokens(text_layer, request):
     """Turn 2 extends turn 1: only the last generated token and the appended ids are run, and the tokens equal
     a fresh session given the whole stream (the hash model is exact, so equality is exact)."""
     rng = _rng(request)
-    eng = _hash_engine(text_layer)
+    eng = hash_engine(text_layer)
     s = eng.new_session()
     p1 = [int(x) for x in rng.integers(0, 200000, 150)]
     r1 = s.generate(p1, max_new_tokens=5, stop_ids=[]).result()
@@ -253,13 +175,13 @@ def test_session_append_runs_only_new_tokens(text_layer, request):
     assert sum(c[2] for c in pre) == len(extra) + 1 == r2.timings.prefilled_tokens
     assert pre[0][1] == len(p1) + len(r1.ids) - 1
     assert r2.timings.reused_tokens == len(p1) + len(r1.ids) - 1
-    fresh = _hash_engine(text_layer).generate(p1 + r1.ids + extra, max_new_tokens=6, stop_ids=[]).result()
+    fresh = hash_engine(text_layer).generate(p1 + r1.ids + extra, max_new_tokens=6, stop_ids=[]).result()
     assert fresh.ids == r2.ids
 
 
 def test_session_divergence_restores_checkpoints(text_layer, request):
     rng = _rng(request)
-    eng = _hash_engine(text_layer)
+    eng = hash_engine(text_layer)
     s = eng.new_session()
     ids = lambda n: [int(x) for x in rng.integers(0, 200000, n)]
     p1 = ids(150)
@@ -273,7 +195,7 @@ def test_session_divergence_restores_checkpoints(text_layer, request):
         assert first[1] == restart, (first, s.checkpoints)
         assert r.timings.prefilled_tokens == len(prompt) - restart
         assert all(p % CKPT_ALIGN == 0 and p <= len(s.ids) for p, _ in s.checkpoints)
-        fresh = _hash_engine(text_layer).generate(prompt, max_new_tokens=4, stop_ids=[]).result()
+        fresh = hash_engine(text_layer).generate(prompt, max_new_tokens=4, stop_ids=[]).result()
         assert fresh.ids == r.ids
     s.generate(p1[:50], max_new_tokens=1).result()               # no step: the state holds exactly the prompt
     eng.executor.calls.clear()                                    # the same prompt again: nothing to run
@@ -282,12 +204,12 @@ def test_session_divergence_restores_checkpoints(text_layer, request):
     s.generate(p1, max_new_tokens=2, stop_ids=[]).result()       # a prompt ending exactly on a checkpoint
     assert [c[0] for c in s.checkpoints] == [128]
     r = s.generate(p1[:128], max_new_tokens=4, stop_ids=[]).result()
-    assert r.ids == _hash_engine(text_layer).generate(p1[:128], max_new_tokens=4, stop_ids=[]).result().ids
+    assert r.ids == hash_engine(text_layer).generate(p1[:128], max_new_tokens=4, stop_ids=[]).result().ids
 
 
 def test_interrupt_rolls_back_and_session_stays_usable(text_layer, request):
     rng = _rng(request)
-    eng = _hash_engine(text_layer)
+    eng = hash_engine(text_layer)
     s = eng.new_session()
     p = [int(x) for x in rng.integers(0, 200000, 100)]
     eng.executor.interrupt_at = 3
@@ -298,13 +220,13 @@ def test_interrupt_rolls_back_and_session_stays_usable(text_layer, request):
     assert len(got) == 3 and len(s.ids) == 64
     eng.executor.interrupt_at = None
     r = s.generate(p, max_new_tokens=10, stop_ids=[]).result()
-    fresh = _hash_engine(text_layer).generate(p, max_new_tokens=10, stop_ids=[]).result()
+    fresh = hash_engine(text_layer).generate(p, max_new_tokens=10, stop_ids=[]).result()
     assert r.ids == fresh.ids and r.ids[:3] == got
 
 
 def test_closing_a_stream_keeps_the_session(text_layer, request):
     rng = _rng(request)
-    eng = _hash_engine(text_layer)
+    eng = hash_engine(text_layer)
     s = eng.new_session()
     p = [int(x) for x in rng.integers(0, 200000, 40)]
     g = s.generate(p, max_new_tokens=10, stop_ids=[])
@@ -315,12 +237,12 @@ def test_closing_a_stream_keeps_the_session(text_layer, request):
     with pytest.raises(EngineError):
         g.result()
     r = s.generate(p + first, max_new_tokens=3, stop_ids=[]).result()
-    fresh = _hash_engine(text_layer).generate(p + first, max_new_tokens=3, stop_ids=[]).result()
+    fresh = hash_engine(text_layer).generate(p + first, max_new_tokens=3, stop_ids=[]).result()
     assert r.ids == fresh.ids
 
 
 def test_slots_are_bounded(text_layer):
-    eng = _hash_engine(text_layer, slots=2)
+    eng = hash_engine(text_layer, slots=2)
     a, b = eng.new_session(), eng.new_session()
     with pytest.raises(EngineError, match="slots"):
         eng.new_session()
@@ -448,7 +370,7 @@ def test_rerun_from_aligned_checkpoint_is_bit_identical(engine, request):
 
 def test_dropped_oneshot_generations_free_their_slots(text_layer):
     import gc
-    eng = _hash_engine(text_layer, slots=2)
+    eng = hash_engine(text_layer, slots=2)
     for _ in range(5):
         eng.generate([1, 2, 3], max_new_tokens=2)                 # never iterated
         g = eng.generate([1, 2, 3], max_new_tokens=5)
@@ -461,7 +383,7 @@ def test_dropped_oneshot_generations_free_their_slots(text_layer):
 def test_interleaved_sessions_keep_their_own_state(text_layer, request):
     """Two sessions streamed in lockstep on one executor give the tokens each gives alone."""
     rng = _rng(request)
-    eng = _hash_engine(text_layer)
+    eng = hash_engine(text_layer)
     pa, pb = ([int(x) for x in rng.integers(0, 200000, n)] for n in (70, 90))
     a, b = eng.new_session(), eng.new_session()
     ga, gb = a.generate(pa, max_new_tokens=6, stop_ids=[]), b.generate(pb, max_new_tokens=6, stop_ids=[])
@@ -469,5 +391,5 @@ def test_interleaved_sessions_keep_their_own_state(text_layer, request):
     for da, db in zip(ga, gb):
         got_a += da.ids
         got_b += db.ids
-    alone = lambda p: _hash_engine(text_layer).generate(p, max_new_tokens=6, stop_ids=[]).result().ids
+    alone = lambda p: hash_engine(text_layer).generate(p, max_new_tokens=6, stop_ids=[]).result().ids
     assert got_a == alone(pa) and got_b == alone(pb)

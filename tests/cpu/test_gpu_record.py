@@ -34,8 +34,8 @@ def test_bench_readme_is_generated_from_results():
 def _tree(tmp_path):
     files = {"discrete/kernels/a.cu": "// a\n", "discrete/kernels/a.cuh": "// h\n", "discrete/launch.py": "x=1\n",
              "megakernel/include/isa.h": "// isa\n", "megakernel/mk.py": "y=2\n",
-             "tests/gpu/test_k.py": "def test_k(): pass\n",
-             "discrete/__pycache__/launch.cpython-311.pyc": "junk", "discrete/kernels/notes.txt": "not hashed"}
+             "tests/gpu/test_k.py": "def test_k(): pass\n", "tests/tolerance.py": "TOL=1\n",
+             "tests/helpers.py": "not hashed", "discrete/__pycache__/launch.cpython-311.pyc": "junk", "discrete/kernels/notes.txt": "not hashed"}
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
@@ -62,7 +62,7 @@ def test_hashed_set(tmp_path):
     root = _tree(tmp_path)
     assert sorted(gr.file_hashes(root)) == ["discrete/kernels/a.cu", "discrete/kernels/a.cuh",
                                             "discrete/launch.py", "megakernel/include/isa.h", "megakernel/mk.py",
-                                            "tests/gpu/test_k.py"]
+                                            "tests/gpu/test_k.py", "tests/tolerance.py"]
 
 
 def test_clean_record_passes_and_copy_goes_to_record_out(tmp_path, monkeypatch):

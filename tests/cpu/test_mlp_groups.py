@@ -1,4 +1,4 @@
-"""gate|up grouped per down split (graph ``mlp_groups``, session 10): the groups, the split-K read regions, the
+"""gate|up grouped per down split (graph ``mlp_groups``): the groups, the split-K read regions, the
 down's narrowed waits, the scheduler's ready-time cut, and the verifier on the programs. Bit identity through
 the CPU VM is in test_pyvm.py (test_vm_mlp_groups)."""
 import dataclasses

@@ -152,10 +152,10 @@ def _gemv_op_balance(p):
 
 
 def test_bytes_balanced_27b_subset():
-    """Session 7: every GEMV stage is balanced per op (each op is a barrier for its consumers) with one
+    """Every GEMV stage is balanced per op (each op is a barrier for its consumers) with one
     instruction per SM; the cumulative byte balance is then looser (GDN / attention items stay whole). gate|up
-    (1,088 tile pairs on 132 SMs: 9 vs 8.24) is the worst op. The old cumulative water fill (balance=False)
-    keeps its 2 % cumulative bound but cut ops unevenly (out projection 1.24 × the mean on one SM)."""
+    (1,088 tile pairs on 132 SMs: 9 vs 8.24) is the worst op. The cumulative water fill (balance=False)
+    keeps its 2 % cumulative bound but cuts ops unevenly (out projection 1.24 × the mean on one SM)."""
     g = decode_graph(preset("qwen3.5-27b"), layer_limit=4)
     p = schedule(g, 132)
     st = p.stats()
@@ -174,11 +174,11 @@ def test_bytes_balanced_27b_subset():
 
 
 def test_local_reduce_in_projections_27b():
-    """Session 9: on 132 SMs the 27B's split-K in-projections (GDN q|k|v|z, S = 2; attention q|k|v, S = 4) are cut
+    """On 132 SMs the 27B's split-K in-projections (GDN q|k|v|z, S = 2; attention q|k|v, S = 4) are cut
     into whole tiles whose splits one instruction computes and reduces itself (isa.py LOCAL_REDUCE): no GEMV_REDUCE
     stage for them, every tile's rows covered once, the busiest SM no heavier than the split cut's (× LOCAL_SLACK);
     the out / o / down projections (320 tiles: 2-3 whole tiles per SM would unbalance them) and gate|up keep their
-    cut. local_reduce=False gives the session-8 program (GEMV_REDUCE stages for the in-projections)."""
+    cut. local_reduce=False gives the program with GEMV_REDUCE stages for the in-projections."""
     from assembler.isa import local_reduce
     from assembler.scheduler import LOCAL_SLACK, local_candidate
     g = decode_graph(preset("qwen3.5-27b"), layer_limit=4)
@@ -322,7 +322,7 @@ def test_attention_spreads_over_the_sms_and_waits_narrowly():
 
 
 def test_balanced_cut_apportions_runs_and_falls_back():
-    """The per-op cut (session 7): runs get SMs by bytes (minimax), never more SMs than units, every SM at most
+    """The per-op cut: runs get SMs by bytes (minimax), never more SMs than units, every SM at most
     one run; more runs than SMs → None (the caller falls back to the water fill)."""
     from assembler.scheduler import _apportion, _balanced
     assert _apportion([10.0, 1.0, 1.0], [8, 8, 8], 5) == [3, 1, 1]

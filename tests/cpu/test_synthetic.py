@@ -16,6 +16,7 @@ from discrete.build import KERNEL_DIR
 from loader import hashgen, synthetic
 from loader.checkpoint import FP8, Checkpoint, WeightSource, dequantize, expected_tensors
 from loader.config import ModelConfig, preset
+from tests.tolerance import bits
 
 TINY = preset("tiny")
 BF16_T, FP8_T = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
@@ -23,11 +24,6 @@ BF16_T, FP8_T = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
 
 def rng(tag: str) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32(tag.encode()))
-
-
-def bits(a: np.ndarray) -> np.ndarray:
-    """Raw bit patterns (uint8/16/32) for exact comparison."""
-    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
 
 
 # ------------------------------------------------------------------ scalar Python specification of the generator

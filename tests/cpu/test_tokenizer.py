@@ -9,7 +9,7 @@ import pytest
 
 from loader.config import FIRST_PADDING_ID, ModelConfig
 from loader.tokenizer import ADDED_TOKENS, FIRST_ADDED_ID, Tokenizer, TokenizerError, write_tokenizer_files
-from tests.cpu.text_fixtures import QWEN3_SPLIT_REGEX, tok, variant_tokenizer  # noqa: F401 (fixture)
+from tests.helpers import QWEN3_SPLIT_REGEX, variant_tokenizer
 from tests.tokenizer_sweep import Reference, code_point_texts, compare, generate_strings, text_vocab
 
 

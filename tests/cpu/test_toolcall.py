@@ -10,7 +10,7 @@ from loader.chat_template import ChatTemplate
 from loader.config import FIRST_PADDING_ID, IM_END_ID, THINK_END_ID, TOOL_CALL_ID
 from loader.tokenizer import TokenizerError
 from loader.toolcall import (InvalidCall, StreamParser, ToolCall, convert_value, fold, parse, split_reasoning)
-from tests.cpu.text_fixtures import chunkings, spell, tok  # noqa: F401 (fixture)
+from tests.helpers import chunkings, spell
 
 
 def _tool(name, props):

@@ -147,7 +147,7 @@ def test_attention_scratch_reuse_is_ordered(name, sms, m, limit):
 @pytest.mark.parametrize("sms,m,fuse", [(7, 1, False), (132, 1, False), (5, 3, True)])
 def test_split_gdn_programs_verify(sms, m, fuse):
     """The runner's default programs split each GDN step over its value heads (megakernel.runner.split_gdn);
-    session 7: the verifier models the parts (asm_regions._gdn_part / history_reads) and accepts them. The parts of
+    the verifier models the parts (asm_regions._gdn_part / history_reads) and accepts them. The parts of
     a key head own disjoint value heads and exactly one of them the key head's q / k conv channels; removing a
     part's wait on the in-projection is caught (the extra parts' wait on the producer of x is implied by it:
     runner._cover_waits adds it, redundant but harmless), as is removing any wait of the parts the scheduler
@@ -202,7 +202,7 @@ def test_history_read_without_writer_caught(monkeypatch):
 
 @pytest.mark.parametrize("sms,m,fuse", [(7, 1, False), (132, 1, False), (5, 3, True), (7, 8, False)])
 def test_deferred_reduce_programs_verify(sms, m, fuse):
-    """graph.defer_reduces (session 8): the out / o / down reduces rebuilt in the consumers' prologues. The decode
+    """graph.defer_reduces: the out / o / down reduces rebuilt in the consumers' prologues. The decode
     / verify programs (also split over value heads, as the runner runs them) and the MTP program verify; the
     consumers' slices cover the hidden row between them; a slice left out is caught (its readers read columns
     nothing writes), and so is a dropped wait of a consumer on the deferred producer's partials."""

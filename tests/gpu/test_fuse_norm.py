@@ -15,7 +15,8 @@ import pytest
 
 from loader.config import FIRST_PADDING_ID, preset
 from loader.synthetic import SyntheticWeights
-from tests.gpu.test_step import CAP, first_mismatch
+from tests.gpu.helpers import CAP
+from tests.tolerance import assert_bits_equal
 
 STEPS = 6
 
@@ -33,15 +34,6 @@ def _bf16_bits(rng, shape, spread: float = 0.0) -> np.ndarray:
     if spread:
         v *= np.exp2(rng.uniform(-spread, spread / 2, shape)).astype(np.float32)
     return (v.view(np.uint32) >> 16).astype(np.uint16)
-
-
-def _same(a, b, what: str) -> None:
-    a, b = np.asarray(a), np.asarray(b)
-    if a.dtype.itemsize == 4:
-        bad = np.argwhere(a.view(np.uint32) != b.view(np.uint32))
-        assert not bad.size, f"{what}: {len(bad)} mismatches, first at {tuple(bad[0])}"
-    else:
-        assert first_mismatch(a, b, what) is None, first_mismatch(a, b, what)
 
 
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
@@ -79,9 +71,9 @@ def test_gemv_norm_prologue_bit_identical(tiny_w, kind, M, fused):
         cp.cuda.Device().synchronize()
         outs.append((out.get(), xn.get(), P.get()))
     what = f"{kind} M={M} {'fused' if fused else 'partial+reduce'}"
-    _same(outs[0][1], outs[1][1], f"{what}: normed rows")
-    _same(outs[0][0], outs[1][0], f"{what}: output")
-    _same(outs[0][2], outs[1][2], f"{what}: partials")
+    assert_bits_equal(f"{what}: normed rows", outs[0][1], outs[1][1])
+    assert_bits_equal(f"{what}: output", outs[0][0], outs[1][0])
+    assert_bits_equal(f"{what}: partials", outs[0][2], outs[1][2])
 
 
 def test_gemv_norm_contract(tiny_w):
@@ -137,7 +129,7 @@ def test_step_fuse_norm_bit_identical(tiny_w, M, mode):
     runs = [_run(DecodeStep(cfg, w, CAP, M, debug_logits=True, fuse_norm=f), toks, M, mode) for f in (False, True)]
     for s, (a, b) in enumerate(zip(*runs)):
         for name in a:
-            _same(a[name], b[name], f"M={M} {mode} step {s}: {name}")
+            assert_bits_equal(f"M={M} {mode} step {s}: {name}", a[name], b[name])
 
 
 def test_fuse_norm_drops_the_layer_norm_launches(tiny_w):

@@ -13,8 +13,6 @@ check, outputs and partials NaN-poisoned before each launch. Tolerances:
 """
 from __future__ import annotations
 
-import zlib
-
 import numpy as np
 import pytest
 
@@ -22,11 +20,13 @@ from assembler.numerics import split_k
 from assembler.ref import ops as ref
 from assembler.ref.numerics import BF16, FP8, f32
 from loader.config import preset
+from tests.gpu.helpers import MAXM, rand_bf16, seed_of
+from tests.tolerance import assert_close_mask, close_mask  # close_mask: bench/bench_gemv.py's check too
 
 cp = pytest.importorskip("cupy")
 
 PRESETS = ("tiny", "qwen3.5-27b")
-MAXM = 8
+GEMV_TOL = "1 bf16 ulp, floor 2^-16 RMS(row): tensor-core fp32 order in a 128-block vs float64 (docstring)"
 
 
 def shapes(cfg):
@@ -46,40 +46,10 @@ def shapes(cfg):
 CASES = [(p, s) for p in PRESETS for s in shapes(preset(p))]
 
 
-def seed_of(*parts) -> int:
-    return zlib.crc32("/".join(map(str, parts)).encode())
-
-
 def rand_fp8(rng, n, k):
     b = rng.integers(0, 256, size=(n, k), dtype=np.uint8)
     b[(b & 0x7F) == 0x7F] &= 0xFE  # no NaN codes: checkpoints never hold them
     return b.view(FP8)
-
-
-def rand_bf16(rng, shape, scale=1.0):
-    return (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(BF16)
-
-
-def bf16_ulp(r: np.ndarray) -> np.ndarray:
-    m, e = np.frexp(np.abs(r).astype(np.float64))
-    return np.where(r == 0, 2.0 ** -133, np.ldexp(1.0, e - 8))
-
-
-def close_mask(got_u16: np.ndarray, want: np.ndarray) -> np.ndarray:
-    """True where got (bf16 bits) is within one bf16 ulp of want (bf16), or within 2^-16 · RMS(row of want)."""
-    g = f32(got_u16.view(BF16)).astype(np.float64)
-    w = f32(want).astype(np.float64)
-    rms = np.sqrt(np.mean(w * w, axis=-1, keepdims=True))
-    tol = np.maximum(bf16_ulp(w), 2.0 ** -16 * rms)
-    return np.abs(g - w) <= tol  # NaN compares False
-
-
-def assert_close(got_u16, want, what):
-    ok = close_mask(got_u16, want)
-    if not ok.all():
-        i = tuple(int(v) for v in np.argwhere(~ok)[0])
-        raise AssertionError(f"{what}: {int((~ok).sum())} of {ok.size} outside tolerance; first at {i}: "
-                             f"got {f32(got_u16.view(BF16))[i]!r}, want {f32(want)[i]!r}")
 
 
 def make_case(cfg, name, N, K, fp8, seed):
@@ -119,7 +89,7 @@ def test_gemv_shape(gpu, pname, shape):
     partials = cp.empty(g.partials_size(MAXM), cp.float32)
     out, P = run(g, x_d, partials, MAXM)
     want = ref.gemv(w, s, x, "store")
-    assert_close(out, want, f"{pname}/{name} store")
+    assert_close_mask(f"{pname}/{name} store", out, want, GEMV_TOL)
     # negative controls: a planted error must fail the same check
     bumped = out.copy()
     bumped[MAXM // 2, N // 3] += 2

@@ -13,6 +13,7 @@ import pytest
 
 from assembler.ref import ops
 from loader.config import preset
+from tests.tolerance import ulp_check
 
 BF = ml_dtypes.bfloat16
 MAX_ULP, MAX_FRAC = 1, 1e-3
@@ -55,21 +56,8 @@ extern "C" __global__ void t_gated(const mx_u16* x, const mx_u16* z, const mx_u1
 '''
 
 
-def ulp_dist(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """|a − b| in bf16 ulps (bit patterns mapped to a monotone integer line); NaN anywhere → huge."""
-    def line(u):
-        u = u.view(np.uint16).astype(np.int64)
-        return np.where(u & 0x8000, -(u & 0x7FFF), u)
-    d = np.abs(line(a) - line(b))
-    nan = np.isnan(a.astype(np.float32)) | np.isnan(b.astype(np.float32))
-    return np.where(nan, 1 << 20, d)
-
-
 def within(got: np.ndarray, ref: np.ndarray) -> tuple[bool, str]:
-    d = ulp_dist(got, ref)
-    frac = float(np.mean(d > 0))
-    ok = int(d.max()) <= MAX_ULP and frac <= MAX_FRAC
-    return ok, f"max ulp {int(d.max())}, mismatching {frac:.2e} of {d.size}"
+    return ulp_check(got, ref, MAX_ULP, MAX_FRAC)
 
 
 @pytest.fixture(scope="module")

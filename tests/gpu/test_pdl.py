@@ -10,7 +10,8 @@ import pytest
 
 from loader.config import FIRST_PADDING_ID, preset
 from loader.synthetic import SyntheticWeights
-from tests.gpu.test_step import CAP, _same_state, first_mismatch
+from tests.gpu.helpers import CAP, same_state
+from tests.tolerance import assert_bits_equal
 
 STEPS = 12
 
@@ -39,8 +40,8 @@ def _compare(a, b, cfg, what):
     lb, ib, sb = b
     assert ia == ib, f"{what}: argmax differs: {ia} vs {ib}"
     for p, (x, y) in enumerate(zip(la, lb)):
-        assert first_mismatch(x, y, f"{what}: logits at step {p}") is None
-    _same_state(sa, sb, cfg)
+        assert_bits_equal(f"{what}: logits at step {p}", x, y)
+    same_state(sa, sb, cfg)
 
 
 @pytest.mark.parametrize("pdl", [True, "gemv"], ids=["all", "gemv-only"])
@@ -102,8 +103,8 @@ def test_gemv_chain_graph_bit_identical_with_pdl(tiny_w):
             g.launch(s)
         s.synchronize()
         outs.append((x.get(), act.get()))
-    assert first_mismatch(outs[0][1], outs[1][1], "gemv chain: swiglu outputs") is None
-    assert first_mismatch(outs[0][0], outs[1][0], "gemv chain: residual outputs") is None
+    assert_bits_equal("gemv chain: swiglu outputs", outs[0][1], outs[1][1])
+    assert_bits_equal("gemv chain: residual outputs", outs[0][0], outs[1][0])
 
 
 def test_launch_helper_checks_against_the_kernel(tiny_w):

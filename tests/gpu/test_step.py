@@ -23,11 +23,13 @@ from assembler.ref import ops
 from assembler.ref.model import ReferenceModel, proj_splits
 from loader.config import FIRST_PADDING_ID, preset
 from loader.synthetic import SyntheticWeights
+from tests.gpu.helpers import CAP, same_state
+from tests.tolerance import (BF16_NORMAL_MIN, assert_bits_equal, assert_close_ulp, bf16_ulp, bits, first_mismatch,
+                             row_err_ulps, ulp_distance)
 
 BF = ml_dtypes.bfloat16
 LOGIT_TOL_ULPS = 4
 T_POS = 36          # teacher-forced positions (≥ 32)
-CAP = 64
 
 
 class CachedSource:
@@ -43,44 +45,6 @@ class CachedSource:
         if name not in self._c:
             self._c[name] = self.src.get(name)
         return self._c[name]
-
-
-def bits(a) -> np.ndarray:
-    return np.ascontiguousarray(a).view(np.uint16)
-
-
-def first_mismatch(a, b, what: str) -> str | None:
-    a, b = bits(a), bits(b)
-    if a.shape != b.shape:
-        return f"{what}: shapes {a.shape} vs {b.shape}"
-    bad = np.argwhere(a != b)
-    if bad.size:
-        i = tuple(bad[0])
-        return f"{what}: {len(bad)} mismatches, first at {i}: {a[i]:#06x} vs {b[i]:#06x}"
-    return None
-
-
-def ulp_of(x: np.ndarray) -> np.ndarray:
-    """bf16 ulp of |x| (fp32 values): 2^(floor(log2|x|) − 7); tiny values use the normal minimum."""
-    ax = np.maximum(np.abs(x.astype(np.float64)), 2.0 ** -126)
-    return 2.0 ** (np.floor(np.log2(ax)) - 7)
-
-
-def row_err_ulps(got, ref) -> float:
-    """max |got − ref| in bf16 ulps of max |ref| of the row (NaN → inf)."""
-    g, r = got.astype(np.float64), ref.astype(np.float64)
-    if np.isnan(g).any():
-        return float("inf")
-    return float(np.max(np.abs(g - r)) / ulp_of(np.max(np.abs(r))))
-
-
-def elem_ulps(got, ref) -> np.ndarray:
-    """Per-element distance in bf16 ulps (ordered bit patterns; NaN → huge)."""
-    def line(u):
-        u = bits(u).astype(np.int64)
-        return np.where(u & 0x8000, -(u & 0x7FFF), u)
-    nan = np.isnan(got.astype(np.float32)) | np.isnan(ref.astype(np.float32))
-    return np.where(nan, 1 << 20, np.abs(line(got) - line(ref)))
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
@@ -170,7 +134,8 @@ def test_logits_match_reference_teacher_forced(tiny, tokens, eager_run):
     # negative controls: a planted error and the neighbouring position's reference must fail the same check
     planted = logits[5].copy()
     j = int(np.argmax(np.abs(planted.astype(np.float32))))
-    planted[j] = BF(float(planted[j]) + 2 * LOGIT_TOL_ULPS * float(ulp_of(np.max(np.abs(refs[5].astype(np.float32))))))
+    row_ulp = float(bf16_ulp(np.max(np.abs(refs[5].astype(np.float32))), BF16_NORMAL_MIN))
+    planted[j] = BF(float(planted[j]) + 2 * LOGIT_TOL_ULPS * row_ulp)
     assert row_err_ulps(planted, refs[5]) > LOGIT_TOL_ULPS, "negative control (planted error) passed"
     assert max(row_err_ulps(logits[t], refs[t - 1]) for t in range(1, 6)) > LOGIT_TOL_ULPS, \
         "negative control (shifted reference) passed"
@@ -181,7 +146,7 @@ def test_logits_match_reference_teacher_forced(tiny, tokens, eager_run):
         order = np.argsort(-rf, kind="stable")
         top1 = int(np.flatnonzero(rf == rf[order[0]])[0])  # lowest id among ties
         margin = float(rf[order[0]] - rf[order[1]])
-        if margin > float(ulp_of(rf[order[0]])):
+        if margin > float(bf16_ulp(rf[order[0]], BF16_NORMAL_MIN)):
             checked += 1
             if ids[t] != top1:
                 fails.append(f"position {t}: GPU argmax {ids[t]} != reference {top1} (margin {margin})")
@@ -193,10 +158,11 @@ def test_logits_match_reference_teacher_forced(tiny, tokens, eager_run):
     # zero that flip sign), recurrent state relative to its max (bound = 2x the 1.23e-2 measured on the H200).
     for n, i in enumerate(cfg.linear_layers):
         cg, cr = snap["conv"][i], st.conv[i]
-        ce = float(np.max(np.abs(cg.astype(np.float64) - cr.astype(np.float64))) / ulp_of(np.max(np.abs(cr.astype(np.float32)))))
+        ce = float(np.max(np.abs(cg.astype(np.float64) - cr.astype(np.float64)))
+                   / bf16_ulp(np.max(np.abs(cr.astype(np.float32))), BF16_NORMAL_MIN))
         d = np.max(np.abs(snap["rec"][i] - st.rec[i])) / max(1e-30, float(np.max(np.abs(st.rec[i]))))
         print(f"GDN layer {i}: conv max {ce:.2f} layer-max ulps, recurrent max rel err {d:.2e}")
-        if n == 0 and (first_mismatch(cg, cr, f"conv {i}") or not np.array_equal(snap["rec"][i], st.rec[i])):
+        if n == 0 and (first_mismatch(f"conv {i}", cg, cr) or not np.array_equal(snap["rec"][i], st.rec[i])):
             fails.append(f"first GDN layer {i}: state not bit-exact (conv {ce:.2f} ulps, rec {d:.2e})")
         if not (ce <= 8 and d <= 2.5e-2):
             fails.append(f"GDN state of layer {i}: conv {ce:.2f} layer-max ulps, recurrent rel err {d:.2e}")
@@ -219,20 +185,9 @@ def test_rows_bit_identical_to_single(tiny, tokens, eager_run):
     logits, ids, snap = run_forced(step, tokens, "rows", chunks)
     ref_logits, ref_ids, ref_snap = eager_run
     for t in range(T_POS):
-        assert first_mismatch(logits[t], ref_logits[t], f"logits row {t}") is None
+        assert_bits_equal(f"logits row {t}", logits[t], ref_logits[t])
     assert ids == ref_ids
-    _same_state(snap, ref_snap, cfg)
-
-
-def _same_state(a, b, cfg):
-    assert a["pos"] == b["pos"]
-    assert first_mismatch(a["hidden"][-1:], b["hidden"][-1:], "final hidden (last row)") is None
-    for i in cfg.linear_layers:
-        assert first_mismatch(a["conv"][i], b["conv"][i], f"conv {i}") is None
-        assert np.array_equal(a["rec"][i].view(np.uint32), b["rec"][i].view(np.uint32)), f"rec {i} bits differ"
-    for i in cfg.full_layers:
-        assert first_mismatch(a["k"][i], b["k"][i], f"K {i}") is None
-        assert first_mismatch(a["v"][i], b["v"][i], f"V {i}") is None
+    same_state(snap, ref_snap, cfg)
 
 
 def test_graph_replay_bit_identical_and_control(tiny, tokens, eager_run):
@@ -242,9 +197,9 @@ def test_graph_replay_bit_identical_and_control(tiny, tokens, eager_run):
     logits, ids, snap = run_forced(step, tokens, "graph")
     ref_logits, ref_ids, ref_snap = eager_run
     for t in range(T_POS):
-        assert first_mismatch(logits[t], ref_logits[t], f"graph logits step {t}") is None
+        assert_bits_equal(f"graph logits step {t}", logits[t], ref_logits[t])
     assert ids == ref_ids
-    _same_state(snap, ref_snap, cfg)
+    same_state(snap, ref_snap, cfg)
     c = step.control()
     assert (c["step"], c["pos"], c["out_token"], c["tokens"][0]) == (T_POS, T_POS, ids[-1], ids[-1])
     # free-running greedy: graph replays (token from the finish kernel) == eager steps
@@ -306,9 +261,8 @@ def test_nothing_allocates_in_1000_steps(tiny):
 
 # ---------------------------------------------------------------------------------------------- 27B
 def _gemv_check(got, ref, what):
-    d = elem_ulps(got, ref)
-    assert int(d.max()) <= 1, f"{what}: max {int(d.max())} ulps ({np.mean(d > 0):.2e} of elements differ)"
-    return float(np.mean(d > 0))
+    assert_close_ulp(what, got, ref, 1, "GEMV: tensor-core order inside a 128-block vs float64 (INTERFACES §2)")
+    return float(np.mean(ulp_distance(got, ref) > 0))
 
 
 def test_27b_materialises_decodes_and_spot_checks(gpu):
@@ -329,11 +283,11 @@ def test_27b_materialises_decodes_and_spot_checks(gpu):
     get = lambda n: step.buffer(n, 1)
     g2h = lambda a: a.get()
     # embedding row and norms: exact
-    assert first_mismatch(get("x.0")[0], g2h(w.embed[9707]).view(BF), "embed row") is None
+    assert_bits_equal("embed row", get("x.0")[0], g2h(w.embed[9707]).view(BF))
     for i in (0, 3):
         L = w.layers[i]
         xn = ops.rmsnorm(get(f"x.{i}"), g2h(L["in_norm"]).view(BF), cfg.rms_norm_eps)
-        assert first_mismatch(get(f"xn.{i}"), xn, f"input norm {i}") is None
+        assert_bits_equal(f"input norm {i}", get(f"xn.{i}"), xn)
         P = L["in"]
         ref = ops.gemv(g2h(P.w).view(ml_dtypes.float8_e4m3fn), g2h(P.scale).view(BF), get(f"xn.{i}"), "store",
                        split=sp["qkvz" if i in cfg.linear_layers else "qkv_attn"])
@@ -357,7 +311,7 @@ def test_27b_materialises_decodes_and_spot_checks(gpu):
     ref = ops.gemv(g2h(w.lm_head[cp.asarray(rows)]).view(BF), None, hn, "store", split=sp["lm_head"])[0]
     _gemv_check(lg[rows], ref, "lm_head rows")
     bad = lg[rows].copy()
-    bad[0] = BF(float(bad[0]) + 4 * float(ulp_of(np.float32(bad[0]))))
+    bad[0] = BF(float(bad[0]) + 4 * float(bf16_ulp(np.float32(bad[0]), BF16_NORMAL_MIN)))
     with pytest.raises(AssertionError):
         _gemv_check(bad, ref, "negative control")
     assert top == int(np.flatnonzero(lg.astype(np.float32) == lg.astype(np.float32).max())[0])

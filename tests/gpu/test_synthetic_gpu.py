@@ -15,6 +15,7 @@ from loader import hashgen
 from loader.checkpoint import FP8, SCALE_SUFFIX
 from loader.config import preset
 from loader.synthetic import SyntheticWeights
+from tests.tolerance import bits
 
 cp = pytest.importorskip("cupy")
 sgpu = pytest.importorskip("discrete.synthetic_gpu")
@@ -22,10 +23,6 @@ sgpu = pytest.importorskip("discrete.synthetic_gpu")
 
 def rng(tag: str) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32(tag.encode()))
-
-
-def host_bits(a: np.ndarray) -> np.ndarray:
-    return a.view(np.uint8 if a.dtype.itemsize == 1 else np.uint16)
 
 
 def poisoned_fill(src: SyntheticWeights, name: str):
@@ -57,10 +54,10 @@ def test_tiny_every_tensor_bit_exact(gpu):
         res = poisoned_fill(src, name)
         if isinstance(res, tuple):
             q, s = src.quantized(name)
-            assert np.array_equal(cp.asnumpy(res[0]), host_bits(q)), name
-            assert np.array_equal(cp.asnumpy(res[1]), host_bits(s)), name + SCALE_SUFFIX
+            assert np.array_equal(cp.asnumpy(res[0]), bits(q)), name
+            assert np.array_equal(cp.asnumpy(res[1]), bits(s)), name + SCALE_SUFFIX
         else:
-            assert np.array_equal(cp.asnumpy(res), host_bits(src.get(name))), name
+            assert np.array_equal(cp.asnumpy(res), bits(src.get(name))), name
 
 
 def _check_sampled(src: SyntheticWeights, name: str, dev) -> None:
@@ -74,14 +71,14 @@ def _check_sampled(src: SyntheticWeights, name: str, dev) -> None:
         w = hashgen.values(r.key, r.kind, r.a, r.b, (rr * cols + cc).reshape(-1).astype(np.uint64)).reshape(128, 128)
         q, s = hashgen.quantize_blocks(w)
         blk = cp.asnumpy(q_dev[bi * 128:(bi + 1) * 128, bj * 128:(bj + 1) * 128])
-        assert np.array_equal(blk, host_bits(q)), f"{name} block ({bi}, {bj})"
-        assert int(s_dev[bi, bj]) == int(host_bits(s)[0, 0]), f"{name}{SCALE_SUFFIX}[{bi}, {bj}]"
+        assert np.array_equal(blk, bits(q)), f"{name} block ({bi}, {bj})"
+        assert int(s_dev[bi, bj]) == int(bits(s)[0, 0]), f"{name}{SCALE_SUFFIX}[{bi}, {bj}]"
         assert not bool(((q_dev & 0x7F) == 0x7F).any()), f"{name}: NaN code left (unwritten element)"
         assert not bool((s_dev == 0xFFFF).any()), f"{name}{SCALE_SUFFIX}: unwritten scale"
     else:
         n = int(np.prod(r.shape))
         idx = np.unique(np.concatenate([g.integers(0, n, 4096), [0, n - 1]])).astype(np.uint64)
-        want = host_bits(hashgen.to_bf16(hashgen.values(r.key, r.kind, r.a, r.b, idx)))
+        want = bits(hashgen.to_bf16(hashgen.values(r.key, r.kind, r.a, r.b, idx)))
         flat = dev.reshape(-1)
         assert np.array_equal(cp.asnumpy(flat[cp.asarray(idx.astype(np.int64))]), want), name
         assert not bool((flat == 0xFFFF).any()), f"{name}: unwritten element"
@@ -97,7 +94,7 @@ def test_27b_sampled_against_numpy(gpu):
     for name in ("model.layers.62.linear_attn.A_log",
                  "model.layers.62.linear_attn.dt_bias", "model.layers.62.linear_attn.norm.weight",
                  "model.layers.63.self_attn.k_norm.weight", "mtp.norm.weight"):
-        assert np.array_equal(cp.asnumpy(sgpu.fill(src, name)), host_bits(src.get(name))), name
+        assert np.array_equal(cp.asnumpy(sgpu.fill(src, name)), bits(src.get(name))), name
 
 
 def test_27b_materialize_whole_model(gpu):

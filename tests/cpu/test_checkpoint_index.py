@@ -1,9 +1,10 @@
-"""Loader review, session 6: fp8 shards under a config.json without ``quantization_config`` are blamed on
-config.json; an index entry that leaves the checkpoint directory is refused (one in a subdirectory is allowed and
-named as written, quoted); an absolute, empty, ``.``, directory or non-string entry is refused naming the index, the
-tensor and the entry; hidden files do not count in the one-file search; no ``modules_to_not_convert`` entry may
-cover a module the engine loads as fp8, by HF's rule (a substring of its dotted name), while every bf16 module
-name of the real checkpoint passes. Built on the cached tiny checkpoint (symlinked, never modified)."""
+"""What makes a directory a checkpoint, index entries and fp8 coverage: fp8 shards under a config.json without
+``quantization_config`` are blamed on config.json; an index entry that leaves the checkpoint directory is refused
+(one in a subdirectory is allowed and named as written, quoted); an absolute, empty, ``.``, directory or non-string
+entry is refused naming the index, the tensor and the entry; hidden files do not count in the one-file search; no
+``modules_to_not_convert`` entry may cover a module the engine loads as fp8, by HF's rule (a substring of its
+dotted name), while every bf16 module name of the real checkpoint passes. Built on the cached tiny checkpoint
+(symlinked, never modified); config.json's dtype and the set of shard files: test_checkpoint_config.py."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ import pytest
 from loader.checkpoint import (BF16, INDEX_FILE, SCALE_SUFFIX, Checkpoint, CheckpointConfigError, CheckpointError,
                                expected_tensors, stored_name)
 from loader.config import ConfigError, ModelConfig, preset
-from tests.cpu.test_loader_s5 import SHARD, _dir, _tiny_config  # the same scratch checkpoint directories
+from tests.helpers import SHARD, checkpoint_dir, tiny_config_json
 
 
 def _remap(d, fn):
@@ -30,9 +31,9 @@ def _remap(d, fn):
 def test_fp8_shards_without_quantization_config_blame_config_json(tiny_ckpt, tmp_path):
     from host.engine import Engine
     from host.errors import ModelLoadError
-    cj = _tiny_config(tiny_ckpt)
+    cj = tiny_config_json(tiny_ckpt)
     del cj["quantization_config"]
-    d = _dir(tiny_ckpt, tmp_path / "ck", cj)
+    d = checkpoint_dir(tiny_ckpt, tmp_path / "ck", cj)
     with pytest.raises(CheckpointError) as e:  # a CheckpointConfigError: also a ConfigError
         Checkpoint.open(d)
     msg = str(e.value)
@@ -50,8 +51,8 @@ def test_fp8_shards_without_quantization_config_blame_config_json(tiny_ckpt, tmp
 @pytest.mark.parametrize("entry", ["../outside.safetensors", "sub/../../outside.safetensors",
                                    "link/outside.safetensors"], ids=["dotdot", "sub_dotdot", "dir_link"])
 def test_index_entry_outside_the_directory_is_refused(tiny_ckpt, tmp_path, entry):
-    d = _dir(tiny_ckpt, tmp_path / "ck")
-    os.symlink(tiny_ckpt / SHARD, tmp_path / "outside.safetensors")  # exists: the old loader opened it
+    d = checkpoint_dir(tiny_ckpt, tmp_path / "ck")
+    os.symlink(tiny_ckpt / SHARD, tmp_path / "outside.safetensors")  # exists: a loader that follows the entry opens it
     (d / "sub").mkdir()
     os.symlink(tmp_path, d / "link")  # a directory link leading out of the checkpoint
     name = _remap(d, entry)
@@ -62,7 +63,7 @@ def test_index_entry_outside_the_directory_is_refused(tiny_ckpt, tmp_path, entry
 
 
 def test_index_entry_in_a_subdirectory(tiny_ckpt, tmp_path):
-    d = _dir(tiny_ckpt, tmp_path / "ck", shards=())
+    d = checkpoint_dir(tiny_ckpt, tmp_path / "ck", shards=())
     (d / "sub").mkdir()
     os.symlink(tiny_ckpt / SHARD, d / "sub" / SHARD)
     _remap(d, f"sub/{SHARD}")
@@ -87,9 +88,9 @@ def _refused(d, entry, why):
 
 @pytest.mark.parametrize("where", ["inside", "outside"])
 def test_index_entry_absolute_path_is_refused_as_absolute(tiny_ckpt, tmp_path, where):
-    """An absolute entry is refused for being absolute, wherever it points (it used to be called "outside the
-    checkpoint directory" even when it named the directory's own shard)."""
-    d = _dir(tiny_ckpt, tmp_path / "ck")
+    """An absolute entry is refused for being absolute, wherever it points (not "outside the checkpoint
+    directory", even when it names the directory's own shard)."""
+    d = checkpoint_dir(tiny_ckpt, tmp_path / "ck")
     os.symlink(tiny_ckpt / SHARD, tmp_path / "outside.safetensors")
     entry = str(d / SHARD if where == "inside" else tmp_path / "outside.safetensors")
     _refused(d, entry, "an absolute path (absolute paths are not allowed)")
@@ -97,22 +98,22 @@ def test_index_entry_absolute_path_is_refused_as_absolute(tiny_ckpt, tmp_path, w
 
 @pytest.mark.parametrize("entry", ["", ".", "./", "sub/.."], ids=["empty", "dot", "dot_slash", "sub_dotdot"])
 def test_index_entry_naming_the_directory_itself_is_refused(tiny_ckpt, tmp_path, entry):
-    """"" and "." name the checkpoint directory, not a file (they used to show as a missing shard named by nothing
-    or a bare dot)."""
-    d = _dir(tiny_ckpt, tmp_path / "ck")
+    """"" and "." name the checkpoint directory, not a file (not a missing shard named by
+    nothing or a bare dot)."""
+    d = checkpoint_dir(tiny_ckpt, tmp_path / "ck")
     (d / "sub").mkdir()
     _refused(d, entry, "which names the checkpoint directory itself, not a shard file")
 
 
 def test_index_entry_naming_a_subdirectory_or_holding_nul_is_refused(tiny_ckpt, tmp_path):
-    d = _dir(tiny_ckpt, tmp_path / "ck")
+    d = checkpoint_dir(tiny_ckpt, tmp_path / "ck")
     (d / "sub").mkdir()
     _refused(d, "sub", "which is a directory, not a shard file")
-    _refused(d, "sub\0/model.safetensors", "which holds a NUL character")  # was a ValueError from realpath
+    _refused(d, "sub\0/model.safetensors", "which holds a NUL character")  # not a ValueError from realpath
 
 
 def test_missing_shard_entries_are_quoted(tiny_ckpt, tmp_path):
-    d = _dir(tiny_ckpt, tmp_path / "ck")
+    d = checkpoint_dir(tiny_ckpt, tmp_path / "ck")
     _remap(d, "model .safetensors ")  # the blanks show
     names = sorted(json.loads((d / INDEX_FILE).read_text())["weight_map"])
     with pytest.raises(CheckpointError) as e:
@@ -124,8 +125,8 @@ def test_missing_shard_entries_are_quoted(tiny_ckpt, tmp_path):
 @pytest.mark.parametrize("entry,shown", [(3, "3 (a JSON number)"), (None, "null (a JSON null)"),
                                          ([SHARD], f'["{SHARD}"] (a JSON list)')], ids=["int", "null", "list"])
 def test_index_entry_that_is_not_a_string_names_the_tensor(tiny_ckpt, tmp_path, entry, shown):
-    """It used to be the malformed-index error quoting TypeError("unsupported operand type(s) for /: ...")."""
-    d = _dir(tiny_ckpt, tmp_path / "ck")
+    """Not the malformed-index error quoting TypeError("unsupported operand type(s) for /: ...")."""
+    d = checkpoint_dir(tiny_ckpt, tmp_path / "ck")
     name = _remap(d, entry)
     with pytest.raises(CheckpointError) as e:
         Checkpoint.open(d)
@@ -134,7 +135,7 @@ def test_index_entry_that_is_not_a_string_names_the_tensor(tiny_ckpt, tmp_path, 
 
 # ---------------------------------------------------------------------------------------------- 3. hidden files
 def test_hidden_files_do_not_count_in_the_single_file_search(tiny_ckpt, tmp_path):
-    d = _dir(tiny_ckpt, tmp_path / "ck", shards=["model.safetensors"], index=False)
+    d = checkpoint_dir(tiny_ckpt, tmp_path / "ck", shards=["model.safetensors"], index=False)
     (d / "._model.safetensors").write_bytes(b"\0" * 4096)  # a macOS AppleDouble copy: not a shard
     (d / ".partial.safetensors").symlink_to(tiny_ckpt / SHARD)
     ck = Checkpoint.open(d)
@@ -154,7 +155,7 @@ COVERING = [  # (entry, the first fp8 module it covers, as stored)
     ("gate_proj", L + "0.mlp.gate_proj"), ("mlp.gate_proj", L + "0.mlp.gate_proj"),
     ("layers.0.mlp.gate_proj", L + "0.mlp.gate_proj"), (L + "0.mlp", L + "0.mlp.gate_proj"),
     ("model", L + "0.linear_attn.in_proj_qkv"), ("mtp", "mtp.layers.0.self_attn.q_proj"),
-    # substrings the old prefix / suffix matching let through although HF leaves the modules unquantised
+    # substrings a prefix / suffix match would let through although HF leaves the modules unquantised
     ("mlp", L + "0.mlp.gate_proj"), ("layers.0.mlp", L + "0.mlp.gate_proj"),
     ("self_attn", L + "3.self_attn.q_proj"), ("linear_attn", L + "0.linear_attn.in_proj_qkv"),
     ("language_model", L + "0.linear_attn.in_proj_qkv"), ("layers", L + "0.linear_attn.in_proj_qkv"),
@@ -170,9 +171,9 @@ def test_modules_to_not_convert_covering_an_fp8_module_is_refused(tiny_ckpt, tmp
     """HF's FP8 integration keeps a linear unquantised when any entry is a substring of its dotted name
     (``any(key in current_key_name_str for key in modules_to_not_convert)``): each entry here covers an fp8 module,
     named in the error as stored (the first one in model order)."""
-    cj = _tiny_config(tiny_ckpt)
+    cj = tiny_config_json(tiny_ckpt)
     cj["quantization_config"]["modules_to_not_convert"].append(entry)
-    d = _dir(tiny_ckpt, tmp_path / "ck", cj)
+    d = checkpoint_dir(tiny_ckpt, tmp_path / "ck", cj)
     with pytest.raises(CheckpointConfigError) as e:
         Checkpoint.open(d)
     assert str(e.value).startswith(f"{d / 'config.json'}: config field 'quantization_config.modules_to_not_convert' "
@@ -183,9 +184,9 @@ def test_modules_to_not_convert_covering_an_fp8_module_is_refused(tiny_ckpt, tmp
 def test_modules_to_not_convert_counts_every_covering_entry(tiny_ckpt, tmp_path):
     from host.engine import Engine
     from host.errors import ModelLoadError
-    cj = _tiny_config(tiny_ckpt)
+    cj = tiny_config_json(tiny_ckpt)
     cj["quantization_config"]["modules_to_not_convert"] += ["mlp", "lm_head", "proj"]
-    d = _dir(tiny_ckpt, tmp_path / "ck", cj)
+    d = checkpoint_dir(tiny_ckpt, tmp_path / "ck", cj)
     with pytest.raises(ModelLoadError, match=re.escape(f"lists 'mlp', which covers '{L}0.mlp.gate_proj' (2 such "
                                                        "entries)")) as e:
         Engine.load(d, executor="cpu", quiet=True)
@@ -209,13 +210,13 @@ def _bf16_module_names(cfg) -> list[str]:
 def test_modules_to_not_convert_real_bf16_names_are_never_refused(tiny_ckpt, tmp_path):
     """The real list (651 full names: lm_head, embeddings, norms, in_proj_a/b, conv1d, mtp.fc, vision) must load:
     no bf16 module's name is inside an fp8 module's name, for the tiny layer count and the 27B one."""
-    cj = _tiny_config(tiny_ckpt)
+    cj = tiny_config_json(tiny_ckpt)
     names = _bf16_module_names(preset("tiny"))
     keep = cj["quantization_config"]["modules_to_not_convert"]
     assert set(keep) <= set(names) and {"lm_head", "in_proj_a", "conv1d", L + "0.linear_attn.in_proj_b",
                                         "model.language_model.embed_tokens", "mtp.fc"} <= set(names)
     cj["quantization_config"]["modules_to_not_convert"] = names
-    ck = Checkpoint.open(_dir(tiny_ckpt, tmp_path / "a", cj))
+    ck = Checkpoint.open(checkpoint_dir(tiny_ckpt, tmp_path / "a", cj))
     assert ck.config.modules_to_not_convert == tuple(names)
     big = preset("qwen3.5-27b")
     big = big.replace(modules_to_not_convert=tuple(_bf16_module_names(big)))
@@ -223,20 +224,20 @@ def test_modules_to_not_convert_real_bf16_names_are_never_refused(tiny_ckpt, tmp
 
 
 def test_modules_to_not_convert_bf16_entries_and_absent_key_are_fine(tiny_ckpt, tmp_path):
-    cj = _tiny_config(tiny_ckpt)
+    cj = tiny_config_json(tiny_ckpt)
     keep = cj["quantization_config"]["modules_to_not_convert"]
     assert "lm_head" in keep and "mtp.fc" in keep  # the synthetic list: every bf16 module by full name
     keep += ["model.visual.blocks.0.attn.qkv", "q_norm", "layers.1.input_layernorm", "in_proj_b", "mtp.norm",
              "model.language_model.norm", "dt_bias"]
-    Checkpoint.open(_dir(tiny_ckpt, tmp_path / "a", cj))
+    Checkpoint.open(checkpoint_dir(tiny_ckpt, tmp_path / "a", cj))
     del cj["quantization_config"]["modules_to_not_convert"]
-    Checkpoint.open(_dir(tiny_ckpt, tmp_path / "b", cj))
+    Checkpoint.open(checkpoint_dir(tiny_ckpt, tmp_path / "b", cj))
 
 
 @pytest.mark.parametrize("value,got", [("lm_head", "a JSON string"), (["lm_head", 3], "entry 3")],
                          ids=["string", "non_string_entry"])
 def test_modules_to_not_convert_must_be_a_list_of_names(tiny_ckpt, value, got):
-    cj = _tiny_config(tiny_ckpt)
+    cj = tiny_config_json(tiny_ckpt)
     cj["quantization_config"]["modules_to_not_convert"] = value
     with pytest.raises(ConfigError, match=rf"^cfg\.json: config field 'quantization_config\.modules_to_not_convert': "
                                           rf"expected a list of module names \(strings\), got {got}$"):

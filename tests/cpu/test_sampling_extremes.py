@@ -1,18 +1,18 @@
-"""Problems a reviewer found (session 6, second pass), each pinned:
+"""Sampling extremes and the limits around them:
 
 1. a temperature so small that logits / T overflows (1e-40, 1e-300, 5e-324, 1e-38) or so large that T itself
-   overflows fp32 (3.5e38, 1e308) gave nan probabilities and ``AssertionError: sampler chose padding id``; now a
-   temperature below 1e-5 is greedy decoding (vLLM's _SAMPLING_EPS) and a huge one is clamped to the fp32 range,
-   with ordinary temperatures' seeded draws unchanged (golden tokens recorded from the code before the fix);
-2. the CLI filled in --max-new-tokens' default 256 before a ``--model DIR``'s context was known, so a context
-   below 257 refused every generate / chat turn the user never gave --max-new-tokens for (the API lowered it);
-3. ``--capacity 1`` was accepted by the API (then every generate raised) and refused by the CLI as a
-   max_new_tokens problem; a capacity below 2 now fails at load in both (CLI: click usage error);
-4. SamplingParams refused NumPy scalars, let 10**400 raise a raw TypeError and accepted some bools;
-5. Ctrl-C wording: "1 tokens", the one-shot CLI message, and ``result()`` again saying "closed".
+   overflows fp32 (3.5e38, 1e308) gives no nan probabilities and no padding id: a temperature below 1e-5 is
+   greedy decoding (vLLM's _SAMPLING_EPS) and a huge one is clamped to the fp32 range, with ordinary
+   temperatures' seeded draws equal to recorded ones;
+2. the CLI's --max-new-tokens default follows a ``--model DIR``'s context (a context below 257 does not refuse
+   every generate / chat turn the user gave no --max-new-tokens for), as the API does;
+3. a capacity below 2 fails at load in both the API and the CLI (CLI: click usage error);
+4. SamplingParams takes NumPy scalars, refuses 10**400 with InvalidArgument (not a raw TypeError) and refuses
+   bools;
+5. Ctrl-C wording: "1 token", the one-shot CLI message, and ``result()`` saying "interrupted", not "closed".
 
-Scripted executor of test_engine and the CLI with its engine loader patched (milliseconds); a few real tiny-model
-runs on the CPU.
+Scripted executor (tests/helpers.py) and the CLI with its engine loader patched (milliseconds); a few real
+tiny-model runs on the CPU.
 """
 from __future__ import annotations
 
@@ -28,8 +28,7 @@ from host.engine import Engine
 from host.errors import EngineError, GenerationInterrupted, IgnoredArgumentWarning, InvalidArgument
 from host.sampling import SAMPLING_EPS, Sampler, SamplingParams, mask_padding
 from loader.config import FIRST_PADDING_ID, PRESETS
-from tests.cpu.test_cli import fake_engine, run  # noqa: F401  (fixture)
-from tests.cpu.test_engine import HashExecutor, _hash_engine, text_layer  # noqa: F401  (fixture)
+from tests.helpers import HashExecutor, hash_engine, run
 
 V = PRESETS["tiny"].vocab_size
 
@@ -51,8 +50,8 @@ def test_temperature_below_eps_is_greedy(t):
 
 @pytest.mark.parametrize("t", [3.5e38, 1e308, float(np.finfo(np.float32).max), 1e30])
 def test_huge_temperature_never_nan(t):
-    """T above the fp32 range was inf in fp32: -inf (masked padding) / inf = nan. Now the largest fp32: the
-    distribution is (near) uniform over the real ids, never a padding id."""
+    """T above the fp32 range would be inf in fp32 (-inf (masked padding) / inf = nan); it is the largest fp32:
+    the distribution is (near) uniform over the real ids, never a padding id."""
     x = _logits()
     s = Sampler(SamplingParams(temperature=t, seed=3))
     toks = [s(x) for _ in range(16)]
@@ -71,8 +70,8 @@ def test_reference_sample_survives_overflowing_scores(t):
     assert all(tok < FIRST_PADDING_ID and x[tok] > 0 for tok in toks), toks
 
 
-# Seeded draws recorded from the code before this fix (HEAD's assembler/ref/sampling.py on the same logits):
-# ordinary temperatures must give bit-identical results (the normal path is untouched fp32 math).
+# Seeded draws recorded on these logits (assembler/ref/sampling.py): ordinary temperatures must give
+# bit-identical results (the normal path is plain fp32 math, untouched by the clamps).
 GOLDEN = [((0.7, None, None), [240730, 100929, 222889, 88412, 100234, 31860]),
           ((1.0, None, None), [242685, 99782, 226774, 70451, 85244, 29951]),
           ((0.7, 50, 0.9), [234944, 100929, 199148, 100234, 100929, 34861]),
@@ -81,15 +80,15 @@ GOLDEN = [((0.7, None, None), [240730, 100929, 222889, 88412, 100234, 31860]),
 
 
 @pytest.mark.parametrize("args,want", GOLDEN, ids=lambda a: str(a) if isinstance(a, tuple) else "")
-def test_ordinary_temperatures_unchanged(args, want):
+def test_ordinary_temperatures_match_recorded_draws(args, want):
     t, k, p = args
     s = Sampler(SamplingParams(temperature=t, top_k=k, top_p=p, seed=1234))
     assert [s(_logits()) for _ in range(6)] == want
 
 
 def test_cli_tiny_and_huge_temperatures(fake_engine):
-    """The reviewer's commands on the scripted executor (its largest logit is on a padding id): exit 0; a tiny
-    temperature gives the greedy ids and prints no seed (none is drawn)."""
+    """Extreme temperatures through the CLI on the scripted executor (its largest logit is on a padding id): exit
+    0; a tiny temperature gives the greedy ids and prints no seed (none is drawn)."""
     greedy = json.loads(run(["generate", "--raw", "--json", "--max-new-tokens", "4", "x"]).stdout)["ids"]
     for t in ("1e-40", "1e-300", "5e-324", "1e-38"):
         r = run(["generate", "--raw", "--json", "--max-new-tokens", "4", "--temperature", t, "x"])
@@ -109,7 +108,7 @@ def test_cli_help_documents_the_eps():
 
 
 def test_api_tiny_temperature_real_model(tiny_ckpt):
-    """The reviewer's API call on the real tiny model: greedy ids, no traceback."""
+    """A tiny temperature through the API on the real tiny model: greedy ids, no traceback."""
     eng = Engine.load(tiny_ckpt, "cpu", capacity=64, quiet=True)
     with pytest.warns(IgnoredArgumentWarning, match="seed has no effect"):   # greedy: the seed is ignored
         r = eng.generate([9707], max_new_tokens=2, temperature=1e-39, seed=1).result()
@@ -117,7 +116,7 @@ def test_api_tiny_temperature_real_model(tiny_ckpt):
 
 
 def test_greedy_warning_names_a_tiny_temperature(text_layer):
-    eng = _hash_engine(text_layer)
+    eng = hash_engine(text_layer)
     with pytest.warns(UserWarning, match=r"^top_k has no effect under greedy decoding \(temperature 1e-06, below "
                                          r"1e-5\) and is ignored; pass temperature >= 1e-5 to sample$"):
         eng.generate([1, 2], max_new_tokens=1, temperature=1e-6, top_k=5).result()
@@ -125,7 +124,7 @@ def test_greedy_warning_names_a_tiny_temperature(text_layer):
 
 # ---------------------------------------------------------------------------------------------- 2. default vs context
 @pytest.fixture
-def context_100(monkeypatch, text_layer):  # noqa: F811
+def context_100(monkeypatch, text_layer):
     """The CLI's loader patched to a scripted engine whose model context is 100 (a --model DIR's config), as
     Engine.load builds it: capacity min(4096, context)."""
     import host.commands.chat as chat
@@ -166,7 +165,7 @@ def test_cli_max_new_tokens_help_mentions_the_context():
 
 
 def test_real_model_dir_with_a_small_context(tiny_ckpt, tmp_path):
-    """The reviewer's case on the real tiny model: a checkpoint whose config says max_position_embeddings 6."""
+    """The real tiny model from a checkpoint whose config says max_position_embeddings 6."""
     d = tmp_path / "ck"
     d.mkdir()
     for f in os.listdir(tiny_ckpt):
@@ -218,7 +217,7 @@ def test_api_capacity_2_generates_one_token(tiny_ckpt):
 def test_numpy_scalars_are_accepted(kw, text_layer):
     p = SamplingParams(**kw)
     assert all(type(getattr(p, f)) in (int, float, type(None)) for f in ("temperature", "top_k", "top_p", "seed"))
-    r = _hash_engine(text_layer).generate([1, 2], max_new_tokens=2, **kw).result()
+    r = hash_engine(text_layer).generate([1, 2], max_new_tokens=2, **kw).result()
     json.dumps(r.to_json())                                               # plain numbers: --json can print them
 
 
@@ -234,14 +233,14 @@ def test_bad_sampling_values_raise_invalid_argument(kw):
     assert len(str(e.value)) < 200, str(e.value)                          # 10**400's 401 digits are cut short
 
 
-def test_bool_max_new_tokens_still_refused(text_layer):
+def test_bool_max_new_tokens_is_refused(text_layer):
     with pytest.raises(InvalidArgument, match="max_new_tokens"):
-        _hash_engine(text_layer).generate([1, 2], max_new_tokens=True)
+        hash_engine(text_layer).generate([1, 2], max_new_tokens=True)
 
 
 # ---------------------------------------------------------------------------------------------- 5. Ctrl-C wording
 def test_interrupt_after_one_token_is_singular_and_result_says_interrupted(text_layer):
-    eng = _hash_engine(text_layer, slots=2)
+    eng = hash_engine(text_layer, slots=2)
     eng.executor.interrupt_at = 1                                         # Ctrl-C in the first step: 1 token out
     g = eng.generate([1, 2, 3], max_new_tokens=8, stop_ids=[])
     with pytest.raises(GenerationInterrupted) as e:
@@ -260,7 +259,7 @@ def test_interrupt_after_one_token_is_singular_and_result_says_interrupted(text_
     with pytest.raises(GenerationInterrupted, match=r"interrupted.*rolled back"):
         g.result()
     s.close()
-    g = _hash_engine(text_layer).generate([1, 2, 3], max_new_tokens=8)   # control: close() is still "closed"
+    g = hash_engine(text_layer).generate([1, 2, 3], max_new_tokens=8)   # control: close() says "closed"
     next(g)
     g.close()
     with pytest.raises(EngineError, match="closed before it finished"):

@@ -1,14 +1,13 @@
-"""Loader review, session 5: config.json's dtype and quantization_config are checked (a clear error naming the
-file, the field, the value and what was expected; absent fields take the real checkpoint's values), a checkpoint
-of one ``*.safetensors`` file without an index opens (several without one are refused), and a partial
-``make-checkpoint --max-shards`` write is refused as an incomplete checkpoint naming the absent shard files.
-Built on the cached tiny checkpoint (symlinked, never modified)."""
+"""What makes a directory a checkpoint, config.json and shard files: config.json's dtype and quantization_config
+are checked (a clear error naming the file, the field, the value and what was expected; absent fields take the
+real checkpoint's values), a checkpoint of one ``*.safetensors`` file without an index opens (several without one
+are refused), and a partial ``make-checkpoint --max-shards`` write is refused as an incomplete checkpoint naming
+the absent shard files. Built on the cached tiny checkpoint (symlinked, never modified); index entries and
+``modules_to_not_convert``: test_checkpoint_index.py."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 
 import pytest
 from click.testing import CliRunner
@@ -16,26 +15,9 @@ from click.testing import CliRunner
 from loader.checkpoint import INDEX_FILE, PARTIAL_KEY, Checkpoint, CheckpointConfigError, CheckpointError
 from loader.config import ConfigError, ModelConfig, preset
 from loader.synthetic import config_json
+from tests.helpers import SHARD, checkpoint_dir, tiny_config_json
 
 TINY = preset("tiny")
-SHARD = "model-00001-of-00001.safetensors"  # the cached tiny checkpoint's one shard (with an index)
-
-
-def _dir(tiny_ckpt, d, config=None, shards=(SHARD,), index=True):
-    """A checkpoint directory ``d``: config.json (``config`` or the tiny one), the tiny shard symlinked under
-    each name of ``shards``, and the tiny index when ``index``."""
-    d.mkdir()
-    cj = config if config is not None else json.loads((tiny_ckpt / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps(cj))
-    for s in shards:
-        os.symlink(tiny_ckpt / SHARD, d / s)
-    if index:
-        shutil.copy(tiny_ckpt / INDEX_FILE, d / INDEX_FILE)
-    return d
-
-
-def _tiny_config(tiny_ckpt) -> dict:
-    return json.loads((tiny_ckpt / "config.json").read_text())
 
 
 # ---------------------------------------------------------------------------------------------- 1. dtype, quantization
@@ -46,9 +28,9 @@ def _tiny_config(tiny_ckpt) -> dict:
     ("", "dtype", "float8_e4m3fn"),
 ], ids=["text_dtype", "text_torch_dtype", "top_torch_dtype", "top_dtype"])
 def test_unsupported_dtype_is_a_clear_config_error(tiny_ckpt, tmp_path, where, key, value):
-    cj = _tiny_config(tiny_ckpt)
+    cj = tiny_config_json(tiny_ckpt)
     (cj[where] if where else cj)[key] = value
-    d = _dir(tiny_ckpt, tmp_path / "ck", cj)
+    d = checkpoint_dir(tiny_ckpt, tmp_path / "ck", cj)
     field = f"{where}.{key}" if where else key
     want = rf"{re.escape(str(d / 'config.json'))}: config field '{field}' is '{value}'; expected 'bfloat16'"
     with pytest.raises(ConfigError, match=want):
@@ -64,7 +46,7 @@ def test_dtype_of_a_text_only_config_and_the_accepted_values(tiny_ckpt):
     flat["torch_dtype"] = "float16"
     with pytest.raises(ConfigError, match=r"cfg\.json: config field 'torch_dtype' is 'float16'; expected 'bfloat16'"):
         ModelConfig.from_dict(flat, source="cfg.json")
-    cj = _tiny_config(tiny_ckpt)
+    cj = tiny_config_json(tiny_ckpt)
     cj["torch_dtype"] = cj["dtype"] = cj["text_config"]["torch_dtype"] = "bfloat16"
     cj["vision_config"]["dtype"] = "float32"  # the vision tower is not run: not checked
     assert ModelConfig.from_dict(cj).replace(name="tiny") == TINY
@@ -75,13 +57,13 @@ def test_dtype_of_a_text_only_config_and_the_accepted_values(tiny_ckpt):
 
 def test_quantization_config_absent_keys_take_the_real_values(tiny_ckpt, tmp_path):
     """A quantization_config without quant_method / fmt / weight_block_size / activation_scheme is the
-    Qwen3.5-27B-FP8 one (it used to read as 'no quantisation', then fail on every fp8 tensor)."""
-    cj = _tiny_config(tiny_ckpt)
+    Qwen3.5-27B-FP8 one (not 'no quantisation', which would fail on every fp8 tensor)."""
+    cj = tiny_config_json(tiny_ckpt)
     cj["quantization_config"] = {"modules_to_not_convert": cj["quantization_config"]["modules_to_not_convert"]}
     c = ModelConfig.from_dict(cj)
     assert (c.quant_method, c.quant_fmt, c.weight_block_size, c.activation_scheme) == ("fp8", "e4m3", (128, 128),
                                                                                        "dynamic")
-    ck = Checkpoint.open(_dir(tiny_ckpt, tmp_path / "ck", cj))
+    ck = Checkpoint.open(checkpoint_dir(tiny_ckpt, tmp_path / "ck", cj))
     assert ck.config.replace(name="tiny") == TINY
     cj["quantization_config"]["activation_scheme"] = "static"  # accepted (not used by the engine)
     assert ModelConfig.from_dict(cj).activation_scheme == "static"
@@ -96,9 +78,9 @@ def test_quantization_config_absent_keys_take_the_real_values(tiny_ckpt, tmp_pat
     ("weight_block_size", None, "config field 'quantization_config.weight_block_size': expected [128, 128]"),
 ], ids=["method_null", "method_gptq", "fmt", "block_64", "block_null"])
 def test_unsupported_quantization_config_names_field_and_value(tiny_ckpt, tmp_path, key, value, needle):
-    cj = _tiny_config(tiny_ckpt)
+    cj = tiny_config_json(tiny_ckpt)
     cj["quantization_config"][key] = value
-    d = _dir(tiny_ckpt, tmp_path / "ck", cj)
+    d = checkpoint_dir(tiny_ckpt, tmp_path / "ck", cj)
     with pytest.raises(CheckpointConfigError) as e:
         Checkpoint.open(d)
     msg = str(e.value)
@@ -108,9 +90,9 @@ def test_unsupported_quantization_config_names_field_and_value(tiny_ckpt, tmp_pa
 def test_engine_load_maps_a_bad_dtype_to_exit_6(tiny_ckpt, tmp_path):
     from host.engine import Engine
     from host.errors import ModelLoadError
-    cj = _tiny_config(tiny_ckpt)
+    cj = tiny_config_json(tiny_ckpt)
     cj["text_config"]["dtype"] = "float16"
-    d = _dir(tiny_ckpt, tmp_path / "ck", cj)
+    d = checkpoint_dir(tiny_ckpt, tmp_path / "ck", cj)
     with pytest.raises(ModelLoadError, match="config field 'text_config.dtype' is 'float16'") as e:
         Engine.load(d, executor="cpu", quiet=True)
     assert e.value.exit_code == 6 and str(d / "config.json") in str(e.value)
@@ -119,7 +101,7 @@ def test_engine_load_maps_a_bad_dtype_to_exit_6(tiny_ckpt, tmp_path):
 # ---------------------------------------------------------------------------------------------- 2. one file, no index
 @pytest.mark.parametrize("name", ["model.safetensors", SHARD, "weights.safetensors"])
 def test_single_safetensors_file_without_index_opens(tiny_ckpt, tmp_path, name):
-    d = _dir(tiny_ckpt, tmp_path / "ck", shards=[name], index=False)
+    d = checkpoint_dir(tiny_ckpt, tmp_path / "ck", shards=[name], index=False)
     ck, ref = Checkpoint.open(d), Checkpoint.open(tiny_ckpt)
     assert ck.names() == ref.names()
     n = "model.layers.3.self_attn.q_proj.weight"
@@ -128,7 +110,7 @@ def test_single_safetensors_file_without_index_opens(tiny_ckpt, tmp_path, name):
 
 
 def test_several_safetensors_files_without_index_are_refused(tiny_ckpt, tmp_path):
-    d = _dir(tiny_ckpt, tmp_path / "ck", shards=["model-00001-of-00002.safetensors",
+    d = checkpoint_dir(tiny_ckpt, tmp_path / "ck", shards=["model-00001-of-00002.safetensors",
                                                  "model-00002-of-00002.safetensors"], index=False)
     with pytest.raises(CheckpointError, match=rf"{re.escape(str(d))}: 2 \*\.safetensors files \(model-00001-of-00002"
                                               rf"\.safetensors, model-00002-of-00002\.safetensors\) but no "
@@ -142,7 +124,7 @@ def test_several_safetensors_files_without_index_are_refused(tiny_ckpt, tmp_path
 
 
 def test_index_naming_missing_files_lists_them(tiny_ckpt, tmp_path):
-    d = _dir(tiny_ckpt, tmp_path / "ck")
+    d = checkpoint_dir(tiny_ckpt, tmp_path / "ck")
     idx = json.loads((d / INDEX_FILE).read_text())
     wm = idx["weight_map"]
     names = sorted(wm)
@@ -187,7 +169,7 @@ def test_partial_make_checkpoint_is_refused_as_incomplete(tmp_path):
     with pytest.raises(ModelLoadError, match="incomplete checkpoint") as e:
         Engine.load(out, executor="cpu", quiet=True)
     assert e.value.exit_code == 6
-    # an index that lists only the shards present (an older partial write): still named incomplete
+    # an index that lists only the shards present (its partial marker kept): named incomplete
     idx["weight_map"] = {k: v for k, v in idx["weight_map"].items() if v == files[0]}
     (out / INDEX_FILE).write_text(json.dumps(idx))
     with pytest.raises(CheckpointError, match=rf"{re.escape(str(out))}: incomplete checkpoint: missing tensor "

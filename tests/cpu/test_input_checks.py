@@ -1,23 +1,23 @@
-"""Problems a fresh user found (session 4 review), each pinned: a closed Session refuses work (it used to run on a
-slot another session may own), text that is not valid UTF-8 is a clean InvalidArgument / exit 2 (it was a
-TokenizerError traceback, and killed a chat), wrong API argument types are InvalidArgument (not a raw TypeError),
+"""Input the API and the CLI refuse cleanly or accept: a closed Session refuses work (it would run on a slot
+another session may own), text that is not valid UTF-8 is a clean InvalidArgument / exit 2 (no TokenizerError
+traceback; a chat drops that turn only), wrong API argument types are InvalidArgument (not a raw TypeError),
 ``stop=None`` is accepted (vLLM's default), ``slots`` < 1 is refused at load, ``inspect --sms`` is bounded,
-``--version`` exists, and ``--raw --no-think`` warns that --no-think does nothing there.
-Scripted executor of test_engine and the CLI with its engine loader patched (milliseconds)."""
+``--version`` exists, ``--raw --no-think`` warns that --no-think does nothing there, and the default capacity
+follows a short model context. Scripted executor (tests/helpers.py) and the CLI with its engine loader patched
+(milliseconds)."""
 from __future__ import annotations
 
 import pytest
 
 from host.engine import Engine
 from host.errors import EngineError, InvalidArgument
-from tests.cpu.test_cli import fake_engine, run  # noqa: F401  (fixture)
-from tests.cpu.test_engine import _hash_engine, text_layer  # noqa: F401  (fixture)
+from tests.helpers import hash_engine, run
 
 BAD = "bad \udcff text"  # what Python makes of the byte 0xFF in argv / stdin (surrogateescape)
 
 
 def test_closed_session_refuses_work(text_layer):
-    eng = _hash_engine(text_layer, slots=1)
+    eng = hash_engine(text_layer, slots=1)
     s = eng.new_session()
     pending = s.generate([1, 2, 3], max_new_tokens=2)  # made before close(), iterated after
     s.close()
@@ -36,7 +36,7 @@ def test_closed_session_refuses_work(text_layer):
 
 
 def test_invalid_utf8_is_an_invalid_argument(text_layer):
-    eng = _hash_engine(text_layer)
+    eng = hash_engine(text_layer)
     with pytest.raises(InvalidArgument, match="prompt: not valid UTF-8"):
         eng.encode(BAD)
     with pytest.raises(InvalidArgument, match="chat: not valid UTF-8"):
@@ -78,7 +78,7 @@ def test_api_argument_types(text_layer):
     for slots in (0, -1, 1.5, True):
         with pytest.raises(InvalidArgument, match="slots: expected a positive integer"):
             Engine.load("tiny", executor="cpu", slots=slots)
-    eng = _hash_engine(text_layer)
+    eng = hash_engine(text_layer)
     for bad in (None, 7, "hello"):
         with pytest.raises(InvalidArgument, match="prompt: expected a sequence of integer token ids"):
             eng.generate(bad)
@@ -104,9 +104,9 @@ def test_version_and_raw_no_think_warning(fake_engine):
 
 
 def test_default_capacity_follows_a_short_model_context(tiny_ckpt, tmp_path):
-    """No capacity given: 4096, or the model's context when smaller (vLLM takes its default length from the model);
-    before, a model with max_position_embeddings 64 failed to load with the default. An explicit capacity above the
-    context is still refused (control)."""
+    """No capacity given: 4096, or the model's context when smaller (vLLM takes its default length from the model),
+    so a model with max_position_embeddings 64 loads with the default. An explicit capacity above the context is
+    refused (control)."""
     import json
     import shutil
     d = tmp_path / "short"

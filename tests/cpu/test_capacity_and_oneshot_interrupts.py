@@ -1,11 +1,11 @@
-"""Problems a reviewer found (session 6), each pinned: Ctrl-C in a one-shot ``generate`` / ``chat`` said the
-session "was rolled back ... and stays usable" though a one-shot session is closed (now: its one-shot session is
-closed; the wording was refined again in test_user_review_s6b);
-a session generated one token past vLLM's rule (``--capacity 64`` and a 2-token prompt gave 63 tokens, 65 in
-all; now prompt + generated <= capacity, and max_new_tokens' default and check count the same way); and
-``--temperature -1`` / ``--top-p 2`` were engine errors (``qwen-mk: error:``) while ``--max-new-tokens 0`` was
-click's usage error (now all are usage errors, as README's rule says). Scripted executor of test_engine and the
-CLI with its engine loader patched (milliseconds), one real tiny-model run."""
+"""Capacity, one-shot interrupts and sampling flags: Ctrl-C in a one-shot ``generate`` / ``chat`` says its
+one-shot session is closed (not "was rolled back ... and stays usable", which holds for an explicit session;
+the wording of one token and of ``result()``: test_sampling_extremes.py); a session follows vLLM's rule, prompt +
+generated <= capacity (``--capacity 64`` and a 2-token prompt give 62 tokens), and max_new_tokens' default and
+check count the same way; out-of-range ``--temperature`` / ``--top-p`` / ``--top-k`` / ``--seed`` /
+``--max-new-tokens`` are click's usage errors, as README's rule says, while the API keeps its own checks.
+Scripted executor (tests/helpers.py) and the CLI with its engine loader patched (milliseconds), one real
+tiny-model run."""
 from __future__ import annotations
 
 import json
@@ -13,15 +13,14 @@ import json
 import pytest
 
 from host.errors import GenerationInterrupted, InvalidArgument, PromptTooLong
-from tests.cpu.test_cli import fake_engine, run  # noqa: F401  (fixture)
-from tests.cpu.test_engine import HashExecutor, _hash_engine, text_layer  # noqa: F401  (fixture)
+from tests.helpers import HashExecutor, hash_engine, run
 
 HI = [{"role": "user", "content": "hi"}]
 
 
 # ---------------------------------------------------------------------------------------------- Ctrl-C, one-shot
 def test_oneshot_interrupt_says_nothing_is_kept(text_layer):
-    eng = _hash_engine(text_layer, slots=2)
+    eng = hash_engine(text_layer, slots=2)
     for start in (lambda: eng.generate([1, 2, 3], max_new_tokens=8, stop_ids=[]),
                   lambda: eng.chat(HI, max_new_tokens=8, stop_ids=[])):
         eng.executor.calls.clear()
@@ -38,7 +37,7 @@ def test_oneshot_interrupt_says_nothing_is_kept(text_layer):
                                                     r"last checkpoint; .*\) and stays usable"):
         s.generate([1, 2, 3], max_new_tokens=8, stop_ids=[]).result()
     eng.executor.interrupt_at = None
-    want = _hash_engine(text_layer).generate([1, 2, 3], max_new_tokens=8, stop_ids=[]).result().ids
+    want = hash_engine(text_layer).generate([1, 2, 3], max_new_tokens=8, stop_ids=[]).result().ids
     assert s.generate([1, 2, 3], max_new_tokens=8, stop_ids=[]).result().ids == want
     s.close()
 
@@ -63,7 +62,7 @@ def test_cli_generate_interrupt_says_nothing_is_kept(fake_engine, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- capacity, vLLM's rule
 def test_prompt_and_reply_fill_at_most_the_capacity(text_layer):
-    eng = _hash_engine(text_layer, capacity=64)
+    eng = hash_engine(text_layer, capacity=64)
     r = eng.generate([1, 2], stop_ids=[]).result()                     # the default max_new_tokens: 63
     assert (r.finish_reason, r.finish_detail, len(r.ids)) == ("length", "capacity", 64 - 2)
     r = eng.generate([1, 2], max_new_tokens=62, stop_ids=[]).result()
@@ -82,7 +81,7 @@ def test_prompt_and_reply_fill_at_most_the_capacity(text_layer):
 
 def test_session_turns_count_their_history(text_layer):
     """A turn's prompt is the whole conversation: prompt (history included) + reply <= capacity, turn after turn."""
-    eng = _hash_engine(text_layer, capacity=40)
+    eng = hash_engine(text_layer, capacity=40)
     s = eng.new_session()
     p1 = list(range(100, 110))
     r1 = s.generate(p1, max_new_tokens=20, stop_ids=[]).result()
@@ -97,7 +96,7 @@ def test_session_turns_count_their_history(text_layer):
 
 
 def test_cli_capacity_counts_the_prompt(fake_engine):
-    r = run(["generate", "--raw", "--json", "--capacity", "64", "hi there"])   # the reviewer's case: 2 tokens
+    r = run(["generate", "--raw", "--json", "--capacity", "64", "hi there"])   # a 2-token prompt
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert (d["timings"]["prompt_tokens"], len(d["ids"]), d["finish_detail"]) == (2, 62, "capacity")
@@ -140,4 +139,4 @@ def test_out_of_range_sampling_flags_are_usage_errors(monkeypatch, cmd, args, na
                                 dict(top_k=-1), dict(seed=-1)], ids=str)
 def test_api_keeps_its_own_sampling_checks(text_layer, kw):
     with pytest.raises(InvalidArgument):
-        _hash_engine(text_layer).generate([1, 2], max_new_tokens=2, **kw)
+        hash_engine(text_layer).generate([1, 2], max_new_tokens=2, **kw)

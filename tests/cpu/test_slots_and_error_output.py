@@ -1,9 +1,8 @@
-"""Problems a reviewer found (session 5), each pinned: the 27B preset without a GPU is ExecutorUnavailable (exit 7,
-it was ModelLoadError, exit 6), one-shot ``Engine.generate`` / ``chat`` calls hold a slot only while they run (a
-list of more generations than slots used to fail), errors follow one output rule (click's usage error, else one
-``qwen-mk: error:`` line; it was a blank line and ``error:``), and an empty user message under the chat template
-is a valid prompt (it was refused, exit 3). Scripted executor of test_engine and the CLI with its engine loader
-patched (milliseconds)."""
+"""Slots and error output: the 27B preset without a GPU is ExecutorUnavailable (exit 7, not ModelLoadError's 6),
+one-shot ``Engine.generate`` / ``chat`` calls hold a slot only while they run (a list of more generations than
+slots works), errors follow one output rule (click's usage error, else one ``qwen-mk: error:`` line), an empty
+user message under the chat template is a valid prompt (not exit 3), and a session runs one generation at a time.
+Scripted executor (tests/helpers.py) and the CLI with its engine loader patched (milliseconds)."""
 from __future__ import annotations
 
 import gc
@@ -14,8 +13,7 @@ import pytest
 from host.engine import Engine
 from host.errors import EmptyPrompt, EngineError, ExecutorUnavailable, ModelLoadError
 from host.executors import gpu_available
-from tests.cpu.test_cli import fake_engine, run  # noqa: F401  (fixture)
-from tests.cpu.test_engine import HashExecutor, _hash_engine, text_layer  # noqa: F401  (fixture)
+from tests.helpers import HashExecutor, hash_engine, run
 
 no_gpu = pytest.mark.skipif(gpu_available()[0], reason="a GPU is present")
 
@@ -56,13 +54,13 @@ def test_27b_preset_without_gpu_is_executor_unavailable_in_the_api(tmp_path, mon
 
 # ---------------------------------------------------------------------------------------------- one-shot slots
 def test_oneshot_generations_do_not_exhaust_the_slots(text_layer):
-    eng = _hash_engine(text_layer, slots=2)
+    eng = hash_engine(text_layer, slots=2)
     prompts = [[1, 2, 3 + i] for i in range(5)]
     gens = [eng.generate(p, max_new_tokens=3, stop_ids=[]) for p in prompts]   # more than the slots
     gens.append(eng.chat([{"role": "user", "content": "hi"}], max_new_tokens=3))
     assert sorted(eng._free) == [0, 1]                                          # nothing taken before they run
     texts = [g.text for g in gens]
-    alone = [_hash_engine(text_layer).generate(p, max_new_tokens=3, stop_ids=[]).result() for p in prompts]
+    alone = [hash_engine(text_layer).generate(p, max_new_tokens=3, stop_ids=[]).result() for p in prompts]
     assert texts[:5] == [r.text for r in alone] and [g.result().ids for g in gens[:5]] == [r.ids for r in alone]
     assert sorted(eng._free) == [0, 1]
     # streaming: the slot is taken from the first delta and given back with the last (before StopIteration)
@@ -136,7 +134,7 @@ def test_empty_chat_message_is_a_prompt(fake_engine, text_layer):
     for raw in ("", "  \n"):                                                   # no template: nothing to run
         r = run(["generate", "--raw", raw])
         assert r.exit_code == EmptyPrompt.exit_code and "empty" in _one_error_line(r)
-    eng = _hash_engine(text_layer)
+    eng = hash_engine(text_layer)
     assert len(eng.chat([{"role": "user", "content": ""}], max_new_tokens=2).result().ids) == 2
     assert eng.chat([{"role": "user", "content": ""}]).result().prompt_ids   # the API agrees
     with pytest.raises(EmptyPrompt):
@@ -147,11 +145,11 @@ def test_empty_chat_message_is_a_prompt(fake_engine, text_layer):
 
 # ---------------------------------------------------------------------------------------------- one session, two turns
 def test_second_generation_of_a_session_waits_for_the_first(text_layer):
-    """Two Generations made on one session before either ran used to pass the "already generating" check (it
-    looked only at a running one) and, stepped in turn, silently produced wrong tokens from the shared slot. Now
-    the second call raises until the first has finished, been closed or been dropped."""
-    eng = _hash_engine(text_layer, slots=2)
-    alone = _hash_engine(text_layer).generate([1, 2, 3], max_new_tokens=3, stop_ids=[]).result().ids
+    """Two Generations made on one session before either ran must not both pass the "already generating" check
+    (looking only at a running one would let them, stepped in turn, silently produce wrong tokens from the shared
+    slot): the second call raises until the first has finished, been closed or been dropped."""
+    eng = hash_engine(text_layer, slots=2)
+    alone = hash_engine(text_layer).generate([1, 2, 3], max_new_tokens=3, stop_ids=[]).result().ids
     s = eng.new_session()
     g1 = s.generate([1, 2, 3], max_new_tokens=3, stop_ids=[])
     with pytest.raises(EngineError, match="already generating"):
