@@ -18,7 +18,7 @@ other splits' partials are ordered by the tile's arrival counter inside the op, 
 Split-K reads (graph.split_reads, set with mlp_groups): a split-K GEMV without prologue reads only its split's K
 columns of its input (mk_gemv streams K-blocks [s·per, (s+1)·per) of weight and input alike); without the flag the
 region is the whole row — a superset, so both are safe. The flag, not the words, decides, so that every program the
-H200 has run keeps its words until one runs the narrow form (docs/megakernel.md, session 10).
+H200 has run keeps its words until one runs the narrow form (docs/megakernel.md, "Built, not yet measured").
 
 GDN steps split over value heads (``megakernel.runner.split_gdn``: ``split`` / ``nsplit`` of a key head's value
 heads): each part owns its value heads' state, conv channels, z and output columns; the key head's q / k conv

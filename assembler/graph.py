@@ -165,9 +165,9 @@ def _attn_layer(g: Graph, i: int, x: str, x_mid: str) -> None:
     segs = [_seg(cfg, [p + "self_attn.q_proj.weight"], cfg.q_proj_rows, cfg.hidden_size, "store", qg, fused_rows=fr),
             _seg(cfg, [p + "self_attn.k_proj.weight"], cfg.kv_rows, cfg.hidden_size, "store", k, fused_rows=fr),
             _seg(cfg, [p + "self_attn.v_proj.weight"], cfg.kv_rows, cfg.hidden_size, "store", v, fused_rows=fr)]
-    # one output group (session 7): per-KV-head groups cut the projection into runs of 16-192 tiles and
-    # instructions of 1-28 tiles that SMs ran one after another (docs/megakernel.md); the attention prep then waits
-    # for the whole projection
+    # one output group: per-KV-head groups cut the projection into runs of 16-192 tiles and instructions of
+    # 1-28 tiles that SMs ran one after another (docs/megakernel.md, "Scheduling"); the attention prep waits for
+    # the whole projection
     _gemv(g, f"L{i}.in", i, x, (x, p + "input_layernorm.weight"), segs)
     o = g.buf(f"o.{i}", (m, cfg.attn_out_dim), "bf16")
     kc = g.buf(f"kcache.{i}", (0, nkv, hd), "bf16", "state")
@@ -195,8 +195,8 @@ def _gdn_layer(g: Graph, i: int, x: str, x_mid: str) -> None:
     fr = cfg.gdn_conv_dim + cfg.gdn_value_dim
     segs = [_seg(cfg, [p + "in_proj_qkv.weight"], cfg.gdn_conv_dim, cfg.hidden_size, "store", qkv, fused_rows=fr),
             _seg(cfg, [p + "in_proj_z.weight"], cfg.gdn_value_dim, cfg.hidden_size, "store", z, fused_rows=fr)]
-    # one output group (session 7; before: one per key head, runs of 8-24 tiles that SMs ran one after another,
-    # docs/megakernel.md): every GDN step waits for the whole projection
+    # one output group (one per key head gave runs of 8-24 tiles that SMs ran one after another,
+    # docs/megakernel.md, "Scheduling"): every GDN step waits for the whole projection
     _gemv(g, f"L{i}.in", i, x, (x, layer_prefix(cfg, i) + "input_layernorm.weight"), segs)
     o = g.buf(f"o.{i}", (m, cfg.gdn_value_dim), "bf16")
     conv = g.buf(f"conv.{i}", (cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim - 1), "bf16", "state")
@@ -230,7 +230,7 @@ def _mlp(g: Graph, i: int, x_mid: str, x_next: str, mlp_groups: bool = False) ->
     """gate|up (SwiGLU epilogue) then down (residual). ``mlp_groups``: gate|up's output rows in one group per down
     split (``mlp_group_rows``), each its own counter, so down split j waits only for the gate|up instructions
     that wrote its K columns (a split-K GEMV reads only its split's columns: asm_regions) and the splits whose
-    group ends first start first (the scheduler's ready-time cut, docs/megakernel.md session 10)."""
+    group ends first start first (the scheduler's ready-time cut, docs/megakernel.md "Scheduling")."""
     cfg, m, p = g.cfg, g.m, layer_prefix(g.cfg, i)
     act = g.buf(f"act.{i}", (m, cfg.intermediate_size), "bf16")
     segs = [_seg(cfg, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], cfg.intermediate_size,

@@ -5,14 +5,13 @@ Stats: instructions and bytes per SM, byte imbalance ((max − mean) / mean), nu
 critical paths, each instruction starting when its SM is free and its waits are met:
 ``est_critical_path_ms`` streams every instruction's bytes at the SM's share of the measured 4,468 GB/s
 (``shared/spec/h200.md``: HBM read bandwidth; no latency, no counter cost); ``est_step_ms`` adds the megakernel's
-measured per-instruction costs (``MK_*`` below, calibrated on its H200 timing build, session 7): a fixed cost per
-instruction, a GEMV instruction no faster than one warp's serial K-blocks, GEMV streaming at the rate measured, and
-the GDN / attention instructions' measured times. On the 27B decode program (value heads split as the runner
-does) the session-6 (d1703a5) and session-7 programs measured 15.04 and 12.74 ms per token; the first estimate gives
-6.81 and 6.60 ms, the second (session-7 constants) 13.82 and 11.61 ms (GDN per key head: measured 13.87, second
-estimate 13.72). Session 8 (same program, faster norm and counters): measured 12.28 ms, estimated 11.24 (per
-key head 13.41 / 12.87). Not modelled: the fused split-K tail (``fuse_reduce=True`` measured 13.74 ms, estimated
-11.23), L2, other contexts.
+measured per-instruction costs (``MK_*`` below, fitted to its H200 timing build at ba99afc): a fixed cost per
+instruction, a GEMV instruction no faster than one warp's serial K-blocks, GEMV streaming at the rates measured, a
+prologue cost, and the GDN / attention instructions' measured times. The streaming-only estimate cannot rank
+schedules (it gave 3 % between two programs that measured 15 % apart); ``est_step_ms`` gives 11.26 ms for the
+default 27B decode program (value heads split as the runner does) that measured 11.71 ms per token, and ranks
+programs of the same stage structure as measured, not programs that differ in their stages (it misranks the
+deferred reduce). Not modelled: the fused split-K tail, L2, other contexts (docs/megakernel.md, "Scheduling").
 Both are estimates meant for comparing schedules.
 """
 from __future__ import annotations
@@ -31,21 +30,21 @@ STAGE_OPCODES = {"main": {Opcode.EMBED, Opcode.GEMV, Opcode.GDN_STEP, Opcode.ATT
                  "reduce": {Opcode.GEMV_REDUCE, Opcode.ATTN_REDUCE}, "scores": {Opcode.ATTN_SCORES},
                  "values": {Opcode.ATTN_VALUES}}
 HBM_BYTES_PER_S = 4468e9  # measured, shared/spec/h200.md
-# est_step_ms's instruction costs, measured on the H200 (megakernel timing build at 1dc80fb, 27B, context 1024,
-# bench/results/megakernel_timings.json; docs/megakernel.md session 7; fixed cost and GDN re-measured at 324d226,
-# session 8: acquire polls, no fence before the bump, the chunked RMSNorm; GDN re-measured at ba99afc, session 9):
+# est_step_ms's instruction costs, measured on the H200 (megakernel timing build, 27B, context 1024,
+# bench/results/megakernel_timings.json, docs/megakernel.md "Where the time goes"; fixed cost at 324d226 with acquire
+# polls, no fence before the bump and the chunked RMSNorm; GDN and GEMV at ba99afc):
 MK_FIXED_S = 1.67e-6   # any instruction: wait, barrier, bump (NOP program 0.835 ms over the longest SM's ~500;
-                       # session 9: 0.546 ms over 321, 1.70 µs)
-# GEMV: refitted in session 10 to every GEMV instruction of the ba99afc timing build (bench/probes/est_fit.py,
-# rms relative error 7 %; before: one rate 0.72 and a K-block 0.75 µs, which made gate|up bound by one warp's
-# serial K-blocks, so its 9-pair SMs ended with its 8-pair SMs — measured 65.2 vs 57.0 µs, fit 67.5 vs 60.7)
+                       # at ba99afc 0.546 ms over 321, 1.70 µs)
+# GEMV: fitted to every GEMV instruction of the ba99afc timing build (the fit's script: commit 8c249e8; rms
+# relative error 7 %; one rate 0.72 with a K-block of 0.75 µs made gate|up bound by one warp's serial K-blocks, so
+# its 9-pair SMs ended with its 8-pair SMs — measured 65.2 vs 57.0 µs, this fit 67.5 vs 60.7)
 MK_KBLOCK_S = 0.30e-6  # one warp's 16-row K-block, serially (the fit's lower bound: no class is bound by it)
 MK_GEMV_EFF = 0.71     # fp8 GEMV instructions' streaming rate / the SM's share of HBM_BYTES_PER_S
 MK_GEMV_EFF_BF16 = 0.99  # bf16 (the lm_head: 32.6 GB/s per SM measured, the DRAM's whole rate on 132 SMs)
 MK_PRO_S = {"reduce_rmsnorm": 4.5e-6, "rmsnorm": 1.0e-6}  # the prologue: deferred-input rebuild + norm, or norm
 MK_WARPS = 16          # GEMV tiles in flight per instruction (one per warp)
 MK_OP_S = {Opcode.GDN_STEP: 14.8e-6,    # per value head (48 per layer, one SM each; median 13.2-14.3 µs, 17.4-19.0
-                                        # in the 12 layers after an attention layer or the head: mean 14.8, session 9)
+                                        # in the 12 layers after an attention layer or the head: mean 14.8)
            Opcode.ATTN_PREP: 8.3e-6, Opcode.ATTN_SCORES: 12.9e-6, Opcode.ATTN_VALUES: 13.8e-6,
            Opcode.ATTN_REDUCE: 4.3e-6}  # per instruction at 1k context
 ARENA_ALIGN = 256

@@ -1,15 +1,15 @@
 """Cut every op of a graph into per-SM slices, order each SM's list, and derive counter waits.
 
 Partition (DESIGN.md, "both paths share the work partition"): a GEMV op is a sequence of units (one 16-row
-tile of one split of one segment, in group → segment range → split → tile order). By default (``balance``,
-session 7) each GEMV stage is cut per op: its runs of one (group, segment, split) get SMs in proportion to their
+tile of one split of one segment, in group → segment range → split → tile order). By default (``balance``)
+each GEMV stage is cut per op: its runs of one (group, segment, split) get SMs in proportion to their
 bytes and each run is cut into equal contiguous chunks (±1 unit within a run), so every SM runs at most one
 instruction of the op (every op is a barrier for its consumers, so the per-op maximum is what the step pays).
-The water fill of sessions 1-6 — contiguous runs so that each SM's cumulative bytes approach the mean (an SM that
+The water fill — contiguous runs so that each SM's cumulative bytes approach the mean (an SM that
 carried a heavy GDN / attention slice gets fewer GEMV rows next) — is used with ``balance=False``, when an op has
 more runs than SMs, and when the per-op cut would load its busiest SM more than ``BALANCE_SLACK`` × the water
-fill's (few SMs). On the 27B with the per-key-head in-projection groups it had, the water fill gave SMs 2-3
-in-projection instructions that ran one after another (docs/megakernel.md, session 7). Split-K comes from
+fill's (few SMs). On the 27B with per-key-head in-projection groups, the water fill gave SMs 2-3
+in-projection instructions that ran one after another (docs/megakernel.md, "Scheduling"). Split-K comes from
 ``assembler.numerics.split_k`` via the graph, never from the SM count. GDN steps (per key head), embed and argmax are whole items given to the
 least-loaded SM. Attention is four stages (prep per KV head; scores and values per run of split-KV partitions
 of one KV head; reduce per run of query heads), each stage's instructions on distinct SMs; the partition count
@@ -18,8 +18,8 @@ P = ``numerics.attn_partitions`` is fixed by the shape, so the cut changes only 
 Split-K reduce: with ``fuse_reduce`` (default) a split-K segment's GEMV instructions reduce their own tiles (the
 last arriving warp of a tile's S splits, isa.py FUSE_REDUCE) and bump the op's ``out`` counter: no GEMV_REDUCE
 stage, consumers wait on the GEMV instructions (all of them bumped ⇒ every tile's last arrival, and with it
-the tile's reduce, happened). ``fuse_reduce=False``: the old program, partials bump ``part`` counters and
-GEMV_REDUCE instructions wait on all of them. ``local_reduce`` (session 9): the in-projections (split-K store
+the tile's reduce, happened). ``fuse_reduce=False``: partials bump ``part`` counters and GEMV_REDUCE
+instructions wait on all of them. ``local_reduce``: the in-projections (split-K store
 segments, ``local_candidate``) are cut into whole tiles with all their splits, and every instruction reduces its own
 tiles in shared memory (isa.py LOCAL_REDUCE): no partial buffer, no reduce stage, consumers wait on the GEMV
 instructions; kept only where whole tiles balance about as well as single splits (LOCAL_SLACK).
@@ -97,7 +97,7 @@ def _balanced(load: np.ndarray, units: np.ndarray, ready: np.ndarray | None = No
     """SM of each unit with every SM running at most one instruction of the op: the runs (``_runs``) get SMs in
     proportion to their bytes (``_apportion``), each run is cut into equal contiguous chunks (±1 unit), and the
     chunks go to the least-loaded SMs first. None when there are more runs than SMs (then ``_water_fill``).
-    Why (session 7, the megakernel's timing build): an op is a barrier for its consumers, so what counts is each
+    Why (the megakernel's timing build, docs/megakernel.md "Scheduling"): an op is a barrier for its consumers, so what counts is each
     op's slowest SM; the cumulative water fill cut runs at (segment, split) and head-group boundaries and gave
     SMs 2-3 instructions of the in-projection that ran one after another (each bound by its warps' streaming
     latency, not its bytes). ``ready`` (per unit, bytes; ``_Builder._ready``): when a run's input is complete
@@ -372,8 +372,8 @@ def schedule(graph: Graph, num_sms: int, fuse_reduce: bool = True, balance: bool
     """Assemble ``graph`` for ``num_sms`` SMs (any count ≥ 1); ``fuse_reduce``: split-K reduce folded into the
     GEMV instructions (module docstring; False: separate GEMV_REDUCE instructions); ``balance``: each GEMV stage
     cut so that every SM runs at most one instruction of it, balanced per op (``_balanced``; False: the
-    cumulative water fill of sessions 1-6, which then ran on per-key-head in-projection groups the graph no
-    longer has); ``local_reduce``: split-K ops that ``local_candidate`` admits reduce on their own instructions
+    cumulative water fill, measured slower on the 27B with per-key-head in-projection groups, which the graph
+    no longer has); ``local_reduce``: split-K ops that ``local_candidate`` admits reduce on their own instructions
     (LOCAL_REDUCE: each instruction computes all splits of whole tiles, no GEMV_REDUCE stage) where that cut
     loads the busiest SM at most LOCAL_SLACK × the split cut's. Raises ValueError for num_sms < 1 or an
     instruction that would need more than MAX_WAITS waits."""

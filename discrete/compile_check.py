@@ -196,8 +196,8 @@ def demangle(symbol: str) -> str:
 
 
 # Local-memory debts a hot kernel may carry, each a ceiling (bytes) over every preset and variant the check
-# builds, measured when the parser was fixed (session 3: until then a helper function's properties line hid
-# mk_main's spills). A hot kernel over its budget, or using local memory without one, fails. Lower a budget when
+# builds (the parser reads each entry's own properties line: a helper function's line printed after the entry's
+# once hid mk_main's spills). A hot kernel over its budget, or using local memory without one, fails. Lower a budget when
 # a debt shrinks; raising one is a decision to write down in docs/megakernel.md, never a way to pass.
 LOCAL_BUDGETS: dict[str, dict] = {
     "mk_main": {"stack_frame": 408, "spill_stores": 456, "spill_loads": 748, "lmem": 0,
@@ -227,7 +227,7 @@ def parse_ptxas(log: str) -> list[KernelReport]:
     """Per-entry-function resources from ``-Xptxas -v`` output (nvcc 13 format; sizes in bytes). A properties
     line counts for an entry only under its own ``Function properties for <entry>`` header: ptxas also prints
     the properties of non-inlined device functions (e.g. ``__internal_trig_reduction_slowpathd``) after an entry,
-    and those must not overwrite the entry's spills (they did until session 3, hiding mk_main's)."""
+    and those must not overwrite the entry's spills (tests/cpu/test_compile_check.py pins that log shape)."""
     out: list[KernelReport] = []
     cur: KernelReport | None = None
     props_for: str | None = None

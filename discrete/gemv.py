@@ -11,7 +11,7 @@ captured into a CUDA graph.
 block normalises x into shared memory with the standalone norm kernel's device function (same bits), block 0
 stores the normed rows where the caller asks (``normed=``), and the GEMV runs on them.
 
-M = 1 launches of fp8 shapes use builds with M fixed at compile time (docs/kernels-gemv.md runs 8-9), same bits
+M = 1 launches of fp8 shapes use builds with M fixed at compile time (docs/kernels-gemv.md), same bits
 as the general kernels: warp tasks of ≥ ``TMA_MIN_UNITS`` K-blocks in slices of ≤ ``TMA_WARPS`` tasks
 (gate|up, down, GDN q|k|v) the ``*_m1t1`` / ``*_m1t2`` kernels, whose weights reach shared memory by TMA (a 2D
 tensor map of the weight, built here with the driver's ``cuTensorMapEncodeTiled``); the others (z, out, o,
@@ -35,18 +35,19 @@ RING_LIMIT = 8       # deepest shared-memory weight ring the kernel supports (un
 UNIT_BYTES = 2048    # QMK_GEMV_UNIT_BYTES: one ring slot per warp (16 rows x 128 B of weights)
 NORM_STATIC_SMEM = 8 * 32  # static shared bytes of the *_norm_partial kernels (double red[warps ≤ 32])
 M1_RING = 2          # ring depth of the fp8 M = 1 kernels (*_m1, always the shared-memory ring): 2 measured
-                     # fastest (session 4, bench/probes/gemv_probe.py --ring; docs/kernels-gemv.md run 8)
-M1_MIN_UNITS = 16    # session 4's rule for *_m1 (tasks of >= this many K-blocks: gate|up 40, down 17); replaced
-                     # by the TMA kernels in session 5 (TMA_MIN_UNITS), kept for QMK_GEMV_M1=1
-TMA_MIN_UNITS = 10   # M = 1 fp8 tasks spanning >= this many K-blocks take the TMA kernels (run 9: +3-5 points on
-                     # gate|up 40, down 17; GDN q|k|v 10 +1; z/out/o at 5-6 no better than the register tile)
-TMA_RING = 2         # stages per warp (run 9: 2 fastest at every warp count and box width)
+                     # fastest (docs/kernels-gemv.md, "Where the GEMV time goes")
+M1_MIN_UNITS = 16    # the *_m1 rule (tasks of >= this many K-blocks: gate|up 40, down 17); the TMA kernels
+                     # (TMA_MIN_UNITS) take those shapes by default, kept for QMK_GEMV_M1=1
+TMA_MIN_UNITS = 10   # M = 1 fp8 tasks spanning >= this many K-blocks take the TMA kernels (measured: +3-5 points
+                     # on gate|up 40, down 17; GDN q|k|v 10 +1; z/out/o at 5-6 no better than the register tile)
+TMA_RING = 2         # stages per warp (measured: 2 fastest at every warp count and box width)
 TMA_WARPS = 20       # ... and slices of at most this many tasks, one per warp of a 640-thread block (gemv.cu
                      # QMK_GEMV_TMA_WARPS; attn q|k|v has 28: spread over 16 warps its partials were faster but
-                     # the fused tail, run per task, made the launch 3.6 us slower than the register tile, run 9)
+                     # the fused tail, run per task, made the launch 3.6 us slower than the register tile;
+                     # docs/kernels-gemv.md, "Kernels and the launch rule")
 PY_KNOBS = ("QMK_GEMV_M1", "QMK_GEMV_TMA_KPB")  # launch choices (benchmarks, tests), not NVRTC defines
 FUSE_MAX_SPLIT = 8   # __call__ fuses the reduce for M = 1 and S ≤ this (measured: faster there, slower at M = 8
-                     # and at S = 40; docs/kernels-gemv.md run 4)
+                     # and at S = 40; docs/kernels-gemv.md, "Kernels and the launch rule")
 
 
 def ring_depth(tasks_per_slice: int, warps: int, smem_optin: int, ring_max: int = RING_LIMIT) -> tuple[int, int]:
@@ -66,7 +67,8 @@ def ring_depth(tasks_per_slice: int, warps: int, smem_optin: int, ring_max: int 
 def tma_plan(tasks_per_slice: int, units_per_task: int, kpb: int | None = None) -> tuple[int, int]:
     """(K-blocks per TMA box, warps that take tasks) of an M = 1 TMA launch: boxes of 2 K-blocks (256-byte row
     pieces) when the task's K-block count is even, else 1 (no bytes past the task); one warp per task, at most
-    TMA_WARPS (the kernels' block; more tasks go round-robin) (measured, docs/kernels-gemv.md run 9). ``kpb``
+    TMA_WARPS (the kernels' block; more tasks go round-robin) (measured, docs/kernels-gemv.md "Kernels and the
+    launch rule"). ``kpb``
     forces the box width (1 or 2; 2 on an odd count reads one K-block past each task, unused)."""
     if kpb is None:
         kpb = 2 if units_per_task % 2 == 0 else 1

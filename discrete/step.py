@@ -85,7 +85,7 @@ class DecodeStep:
     cfg: ModelConfig; weights: ``discrete.weights_gpu.WeightsGPU`` of the same config; capacity: tokens the
     session may hold (KV pages reserved at start-up); m_rows: rows of the captured step (1 = decode, ≤ 8 =
     verify); debug_logits: also keep the bf16 logits [M, V] (for tests); pdl: launch with Programmatic Dependent
-    Launch — True (default: every kernel; measured on the H200, 27B, ctx 1024: 11.42 → 10.81 ms/token), False, or
+    Launch — True (default: every kernel; measured faster, docs/step.md "Programmatic Dependent Launch"), False, or
     launch categories (:func:`pdl_categories`); the results are bit-identical either way. fuse_norm: run the
     input and post-attention RMSNorms as the prologue of the in-projection / gate|up launches (default) instead of
     as separate kernels; bit-identical either way (with fuse_norm the "norm" category holds only the final norm).

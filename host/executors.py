@@ -103,8 +103,8 @@ def gpu_available() -> tuple[bool, str]:
 
 def default_kind() -> str:
     """``graph`` when a GPU is present, else ``cpu``. The graph path and the megakernel give the same bits; the
-    default is the faster one, measured on the H200 (27B synthetic, ctx 1024, bench/bench_megakernel.py,
-    2026-11-29): graph 11.5 ms/token, megakernel 15.4 ms/token. Flip when the megakernel wins."""
+    default is the faster one on the H200 (27B synthetic, ctx 1024, ``python3 -m bench.bench_megakernel``; the
+    current figures are in docs/megakernel.md, "Measured"). Flip when the megakernel wins."""
     return "graph" if gpu_available()[0] else "cpu"
 
 

@@ -50,7 +50,7 @@ struct MkSmemTail {
 #endif
 #ifndef QMK_MK_FUSE_REDUCE
 // build the fused split-K reduce into mk_gemv (only the fuse_reduce program needs it: the branch alone cost the
-// other program 0.57 ms/token, measured, docs/megakernel.md)
+// other program 0.57 ms/token, measured, docs/megakernel.md "Compile-time builds")
 #define QMK_MK_FUSE_REDUCE 1
 #endif
 #ifndef QMK_MK_PREFETCH
@@ -132,7 +132,7 @@ __device__ __noinline__ void mk_rebuild_input(const float* part, int S, const qm
 // (with QMK_MK_RING ≥ 2 its cp.async shared-memory ring variant, bit-identical; this warp's ring at `ring`;
 // issued: mk_gemv_prefetch already started this tile's first units).
 // QMK_MK_M1 = 1 (the runner's build for 1-row programs): the tile is built for M = 1 (gemv.cuh MC; measured
-// faster in the discrete kernels, session 4), and mk_gemv refuses an instruction of M != 1 (error 5).
+// faster in the discrete kernels and here), and mk_gemv refuses an instruction of M != 1 (error 5).
 __device__ __forceinline__ void mk_tile(float (&acc)[4], const MkWeight& W, const qmk_u16* x, int M, int row0,
                                         int kb0, int kb1, qmk_u32 ring, bool issued = false) {
 #if QMK_MK_RING >= 2
@@ -399,7 +399,7 @@ __device__ void mk_argmax(const MkParams& P, const int* w, MkSmemTail& sm, uint3
 #if QMK_MK_ARGMAX_VEC
     if (QMK_VOCAB % 8 == 0 && (reinterpret_cast<size_t>(row) & 15) == 0) {
       // one thread ran the scan alone, one 2-byte L2 round trip after another: 108 µs per step on the 27B
-      // (timing build, session 8); here each thread keeps MK_ARGMAX_BATCH 16-byte loads in flight
+      // (timing build); here each thread keeps MK_ARGMAX_BATCH 16-byte loads in flight
       const uint4* r16 = reinterpret_cast<const uint4*>(row);
       const int n16 = (QMK_VALID_VOCAB + 7) / 8;  // chunks holding a valid id; ids ≥ QMK_VALID_VOCAB are skipped
       for (int base = threadIdx.x; base < n16; base += MK_ARGMAX_BATCH * MK_THREADS) {
@@ -459,8 +459,8 @@ __device__ void mk_argmax(const MkParams& P, const int* w, MkSmemTail& sm, uint3
 #endif
 #define MK_GDN_MR (QMK_MK_GDN_MR > 0 ? QMK_MK_GDN_MR : (QMK_MK_M1 ? 1 : QMK_MAX_ROWS))
 #ifndef QMK_MK_GDN_STATE_PREFETCH
-// 1: a GDN step copies its first value head's state to shared memory before its wait. Measured slower (session 9,
-// bench.probes.mk_variants, 3 rounds: 11.91-11.96 ms/token on vs 11.79-11.80 off), so off by default.
+// 1: a GDN step copies its first value head's state to shared memory before its wait. Measured slower (3
+// interleaved rounds: 11.91-11.96 ms/token on vs 11.79-11.80 off, docs/megakernel.md), so off by default.
 #define QMK_MK_GDN_STATE_PREFETCH 0
 #endif
 #define MK_GDN_STATE_BYTES (QMK_GDN_DV * QMK_GDN_DK * 4)
@@ -578,10 +578,10 @@ __device__ void mk_attn_reduce(const MkParams& P, const int* w) {
 }
 
 #ifndef QMK_MK_POLL_ACQUIRE
-#define QMK_MK_POLL_ACQUIRE 1  // 1: poll counters with acquire loads; 0: relaxed polls, then one acquire (session 7)
+#define QMK_MK_POLL_ACQUIRE 1  // 1: poll counters with acquire loads; 0: relaxed polls, then one acquire (measured slower)
 #endif
 #ifndef QMK_MK_SPIN_NS
-#define QMK_MK_SPIN_NS 0  // __nanosleep between polls of a counter (0: none; session 7: 32)
+#define QMK_MK_SPIN_NS 0  // __nanosleep between polls of a counter (0: none; 32 measured within noise)
 #endif
 #if QMK_MK_SPIN_NS > 0
 #define MK_SPIN_PAUSE() __nanosleep(QMK_MK_SPIN_NS)

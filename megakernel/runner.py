@@ -9,7 +9,7 @@ instructions of stages ≤ N: every wait points at an earlier stage, so the pref
 (a ``QMK_MK_TIMING`` build writing globaltimer stamps per instruction; see ``megakernel/timings.py``),
 ``delay_op`` (debug: the instructions of one op sleep first, so a removed wait on it shows), ``gdn_split``
 (each GDN_STEP's value heads spread over that many SMs: :func:`split_gdn`; default: the head group, one value head
-per instruction), ``fuse_reduce`` (default ``DEFAULT_FUSE`` = False since session 3: separate GEMV_REDUCE
+per instruction), ``fuse_reduce`` (default ``DEFAULT_FUSE`` = False: separate GEMV_REDUCE
 instructions, assembler/scheduler.py; True: the split-K reduce inside the GEMV instructions, the last arriving
 warp of a tile reduces it), ``defines`` (extra ``QMK_*`` build knobs, e.g. ``QMK_MK_RING``; results never depend
 on them).
@@ -34,12 +34,12 @@ MK_DIR = Path(__file__).resolve().parent
 SOURCE = MK_DIR / "megakernel.cu"
 COUNTER_SEED = 0xFFFFFF00  # counters start near the uint32 wrap: the wait arithmetic must be wrap-safe
 SMEM_LIMIT = 232448  # dynamic shared memory per block on sm_90 (227 KB)
-RING_MAX = 3         # GEMV ring slots per warp at most (gemv.cuh supports ≤ 8; 6 measured 2 ms slower, session 3)
+RING_MAX = 3         # GEMV ring slots per warp at most (gemv.cuh supports ≤ 8; 6 measured 2 ms slower)
 DEFAULT_FUSE = False  # Megakernel's default program: GEMV_REDUCE instructions (the fused tail measured slower)
-# residual split-K reduces in the consumers' prologues (graph.defer_reduces; session 8) for 1-row programs; at M rows
+# residual split-K reduces in the consumers' prologues (graph.defer_reduces) for 1-row programs; at M rows
 # every consumer instruction re-reads S·M·K partials (M = 8, 27B: ≈ 1.3 MB each), so M > 1 keeps GEMV_REDUCE
 DEFAULT_DEFER = True
-# split-K in-projections reduced on their own instructions in shared memory (scheduler local_reduce; session 9)
+# split-K in-projections reduced on their own instructions in shared memory (scheduler local_reduce)
 DEFAULT_LOCAL = True
 PREFETCH = 1         # QMK_MK_PREFETCH: a GEMV issues its first RING - 1 ring units before waiting for its input
 ERRORS = {1: "unknown opcode", 2: "unsupported GEMV prologue (MTP concat, or an unknown one)",
@@ -90,7 +90,7 @@ def mk_defines(cfg: ModelConfig, timing: bool = False, extra: dict | None = None
     d["QMK_MK_RING"] = ring_slots(cfg)
     d["QMK_MK_FUSE_REDUCE"] = int(bool(fuse_reduce))
     d["QMK_MK_PREFETCH"] = PREFETCH
-    d["QMK_MK_M1"] = int(bool(m1))  # GEMV tiles built for M = 1 (1-row programs; session 4: measured faster)
+    d["QMK_MK_M1"] = int(bool(m1))  # GEMV tiles built for M = 1 (1-row programs; measured faster)
     if timing:
         d["QMK_MK_TIMING"] = 1
     d.update(extra or {})  # build knobs (e.g. QMK_MK_RING); results never depend on them
@@ -130,7 +130,7 @@ def _cover_waits(prog, ins) -> tuple:
     names = {c.name: i for i, c in enumerate(prog.counters)}
     g = prog.graph
     layer = ins.layer
-    groups = len(g.op(f"L{layer}.in").groups)  # one group (session 7) or one per key head
+    groups = len(g.op(f"L{layer}.in").groups)  # one group (graph default) or one per key head
     want = [names[f"L{layer}.in.out{h if groups > 1 else 0}"] for h in range(ins.row_start, ins.row_end)]
     want = list(dict.fromkeys(want))
     xname = prog.buffers[ins.buf2].name
@@ -250,8 +250,8 @@ class Megakernel:
     ``num_sms``: blocks (default: the device's SM count); ``m_rows``: rows per step (default the step's m);
     ``layer_limit``, ``stop_after``, ``nop``, ``timing``, ``drop_wait``, ``delay_op``/``delay_ns``: see the
     module docstring; ``defer_reduce``: the program with residual split-K reduces in the consumers' prologues
-    (None: ``DEFAULT_DEFER`` for 1-row steps, off for more rows; False: GEMV_REDUCE instructions for them as
-    before session 8); ``local_reduce``: split-K in-projections reduced on their own instructions (scheduler
+    (None: ``DEFAULT_DEFER`` for 1-row steps, off for more rows; False: GEMV_REDUCE instructions for them);
+    ``local_reduce``: split-K in-projections reduced on their own instructions (scheduler
     ``local_reduce``; default DEFAULT_LOCAL). Raises ValueError on bad arguments and RuntimeError when the device cannot hold exactly
     one block per SM (or when the kernel reports an error)."""
 
@@ -273,7 +273,7 @@ class Megakernel:
         self.local_reduce = bool(local_reduce)
         self.program = build_program(cfg, self.m, self.num_sms, layer_limit, self.fuse_reduce, self.defer_reduce,
                                      self.local_reduce)
-        if gdn_split is None:  # default: every value head its own GDN_STEP (measured faster on the 27B, run 7)
+        if gdn_split is None:  # default: every value head its own GDN_STEP (measured faster on the 27B)
             gdn_split = cfg.gdn_head_group
         if gdn_split > 1:
             self.program = split_gdn(self.program, gdn_split)

@@ -81,7 +81,7 @@ gemv_fp8_partial_m1r(const qmk_u8* __restrict__ W, const qmk_u16* __restrict__ s
 // gemv_fp8_partial plus tmap (a CUtensorMap of W in global memory, box 16 rows × 128·KPB bytes) and na (warps
 // that take tasks, ≤ QMK_GEMV_TMA_WARPS); ring = R stages per warp; W itself is not read (the map addresses it).
 // Blocks of 32 · QMK_GEMV_TMA_WARPS threads: the kernels serve slices of ≤ 20 tasks, and the smaller block leaves
-// each thread more registers (measured: +1-2 points against the same loop in 896-thread blocks, run 9).
+// each thread more registers (measured: +1-2 points against the same loop in 896-thread blocks).
 // Dynamic shared memory: na · R · (2048 · KPB + 8) + 128 bytes. The first R − 1 boxes per warp are issued before
 // the PDL wait (weights only), so a kernel launched early fills its ring while its predecessor drains.
 #ifndef QMK_GEMV_TMA_WARPS

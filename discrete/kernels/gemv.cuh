@@ -73,9 +73,9 @@ __device__ __forceinline__ void qmk_gemv_load_unit(uint4 (&w)[4], const qmk_u8* 
 // The activation chunks of unit u for lane c. QMK_GEMV_X_MASK = 0 (default): every lane loads its row
 // min(g, M-1) (the caller's xrow), so B's columns ≥ M repeat row M-1; an mma output column depends only on its
 // own B column, so columns < M are the same bits either way and the columns ≥ M are never stored. No branch and
-// no masking in the hot loop (session 4, bench/probes/gemv_probe.py --ring: the widening already loads the ALU
-// pipe, and masking or branching cost 2-4 points on gate|up; a mask of rows ≥ M, measured and rejected, is in
-// docs/kernels-gemv.md run 8). 2: the load skipped for rows ≥ M (before session 4; xvalid = g < M matters only
+// no masking in the hot loop (measured: the widening already loads the ALU pipe, and masking or branching cost
+// 2-4 points on gate|up; a mask of rows ≥ M, measured and rejected, is in docs/kernels-gemv.md "Tried and
+// rejected"). 2: the load skipped for rows ≥ M (a per-lane branch; xvalid = g < M matters only
 // there).
 #ifndef QMK_GEMV_X_MASK
 #define QMK_GEMV_X_MASK 0
@@ -138,8 +138,8 @@ __device__ __forceinline__ void qmk_gemv_unit_mma(float (&d)[4], const uint4 (&w
 // One warp: 16-row tile at row0 over K-blocks [kb0, kb1) of a [N, K] weight. Returns the fp32 accumulator
 // fragment: acc[0], acc[1] = rows row0+g, activation rows 2c, 2c+1; acc[2], acc[3] = rows row0+g+8 (g = lane/4).
 // QMK_GEMV_STAGES units are loaded ahead (a register ring); per K-block d starts at 0 and is folded into acc.
-// MC > 0: the row count as a compile-time constant (M is then ignored; session 4: the M = 1 build streams 3-5
-// points faster, bench/probes/gemv_probe.py --ring); same bits as MC = 0 with M = MC.
+// MC > 0: the row count as a compile-time constant (M is then ignored; measured: the M = 1 build streams 3-5
+// points faster, docs/kernels-gemv.md "Where the GEMV time goes"); same bits as MC = 0 with M = MC.
 template <int WK, int MC = 0>
 __device__ __forceinline__ void qmk_gemv_tile(float (&acc)[4], const void* W, const qmk_u16* scale, const qmk_u16* x,
                                               int M_, int K, int row0, int kb0, int kb1) {
@@ -272,7 +272,8 @@ __device__ __forceinline__ qmk_u16 qmk_gemv_epilogue(int epi, const float* P, in
 #define QMK_GEMV_UNIT_BYTES 2048  // one unit per warp: 32 lanes × 4 chunks × 16 B
 #ifndef QMK_GEMV_RING_MAX
 // deepest ring (2..8, what qmk_cp_async_wait supports); 0 (default): the register-ring tile qmk_gemv_tile, which
-// measured faster on the H200 (docs/kernels-gemv.md, run 4: the ring lost 5-10 points on tasks of ≤ 10 units)
+// measured faster on the H200 (docs/kernels-gemv.md "Tried and rejected": the ring lost 5-10 points on tasks of
+// ≤ 10 units)
 #define QMK_GEMV_RING_MAX 0
 #endif
 #ifndef QMK_GEMV_CP_L2
@@ -346,7 +347,7 @@ __device__ __forceinline__ void qmk_gemv_ring_prologue(const void* W, int K, int
 // ≤ R-1 pending groups means unit u has landed. Results are bit-identical to qmk_gemv_tile. issued: the
 // caller already ran qmk_gemv_ring_prologue for this tile (same arguments; nothing else of this thread in
 // flight). (A variant that tracked the issued count to decouple the prefetch depth from the steady-state lead
-// measured 0.5-1 ms/token slower in the megakernel, session 3: bench/probes/mk_variants.py.)
+// measured 0.5-1 ms/token slower in the megakernel: docs/megakernel.md "Tried and rejected".)
 template <int WK, int MC = 0>  // MC: as qmk_gemv_tile
 __device__ __forceinline__ void qmk_gemv_tile_ring(float (&acc)[4], const void* W, const qmk_u16* scale,
                                                    const qmk_u16* x, int M_, int K, int row0, int kb0, int kb1,
@@ -452,7 +453,7 @@ __device__ __forceinline__ void qmk_gemv_slice_ring(const void* W, const qmk_u16
     }
 }
 
-// ---------------------------------------------------------------- TMA weight ring (M = 1 kernels, session 5)
+// ---------------------------------------------------------------- TMA weight ring (M = 1 kernels)
 // Same tasks, same tile math and fold as qmk_gemv_tile (bit-identical partials), but the weights reach shared
 // memory by TMA: each warp streams its tasks (t = task_start + warp + i·NA, NA ≤ the block's warps) through a
 // ring of R stages, one stage = one 2D tensor-map box of 16 rows × 128·KPB bytes (KPB K-blocks of one tile,
@@ -460,7 +461,7 @@ __device__ __forceinline__ void qmk_gemv_slice_ring(const void* W, const qmk_u16
 // by one mbarrier per stage. Lane 0 issues the boxes R − 1 ahead, continuously across the warp's tasks, so no
 // register holds bytes in flight and a warp's next task starts streaming while its current one computes. A box
 // may run past its task's K range (KPB = 2 and an odd per-split K-block count): those bytes are not read.
-// Measured on the H200 (bench/probes/tma_probe.py, docs/kernels-gemv.md run 9): +3-5 points of bandwidth over
+// Measured on the H200 (docs/kernels-gemv.md "Kernels and the launch rule"): +3-5 points of bandwidth over
 // the *_m1 ring on the long-task shapes, R = 2 fastest at every warp count (deeper: slower, as the cp.async ring).
 // Shared memory per warp: R · (16 · 128 · KPB + 8) bytes (stages, then the R mbarriers), 128-byte aligned base.
 __device__ __forceinline__ void qmk_mbar_init(qmk_u32 bar, int count) {
@@ -560,7 +561,7 @@ __device__ __forceinline__ void qmk_gemv_tile_tma(float (&acc)[4], QmkGemvTma<KP
         const qmk_u32 bar = q.bars + 8 * q.cslot, par = (q.parity >> q.cslot) & 1u;
         q.parity ^= 1u << q.cslot;
         q.cslot = q.cslot + 1 == q.R ? 0 : q.cslot + 1;
-        uint4 xv[KPB][4];  // every K-block's activation and scale issued before the wait (run 9: loading the
+        uint4 xv[KPB][4];  // every K-block's activation and scale issued before the wait (measured: loading the
         float sc[KPB];     // second block's after it cost 9 points on gate|up); past kb1: a repeat, unused
 #pragma unroll
         for (int kk = 0; kk < KPB; ++kk) {

@@ -145,9 +145,9 @@ __device__ __forceinline__ uint4 mx_norm1pw8(uint4 x, float rstd, uint4 w) {
 
 // Whole (1+w) RMSNorm of M independent rows: x, y [M, n] bf16 with row strides ldx, ldy; w [n] bf16.
 // One block does all rows (rows are independent; result per row does not depend on M).
-// Rows of n ≤ 8·NT·MX_NORM_CH elements with 16-byte aligned rows go the latency-bound way (session 8: the
-// element-wise two passes took 4.2 k cycles on an idle H200 and 12.5 k inside the megakernel, where every
-// in-projection / gate|up GEMV and GDN step starts with one; bench/probes/run12/): each thread loads its 16-byte
+// Rows of n ≤ 8·NT·MX_NORM_CH elements with 16-byte aligned rows go in chunks, because the norm is latency-bound
+// (the element-wise two passes took 4.2 k cycles on an idle H200 and 12.5 k inside the megakernel, where every
+// in-projection / gate|up GEMV and GDN step starts with one; docs/kernels-mixers.md "RMSNorm"): each thread loads its 16-byte
 // chunks of x and w at once, keeps them in registers for the second pass, and stores 16 bytes; other rows go
 // element by element (one load per element, x read twice). The statistic is
 // the float64 sum of exact squares, so the order change (chunks instead of strided elements) does not move it

@@ -56,7 +56,7 @@ __device__ __forceinline__ void block_wait(const uint32_t* counter, uint32_t tar
 // 1: a __threadfence() (fence.sc.gpu) before the release reduction of block_bump. Not needed: the barrier orders
 // the other threads' stores before thread 0's release (CTA scope), and release is cumulative, so the consumer's
 // acquire sees them — the same argument the fence itself relied on (a fence by thread 0 orders only what thread 0
-// observed). Session 8 A/B: docs/megakernel.md.
+// observed). A/B: docs/megakernel.md "Sync protocol".
 #define QMK_MK_BUMP_FENCE 0
 #endif
 
