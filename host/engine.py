@@ -19,11 +19,12 @@ from typing import Sequence
 
 from host.errors import EmptyPrompt, EngineError, InvalidArgument, ModelLoadError
 from host.executors import CPU_KINDS, Executor, check_kind, default_kind, make_executor
+from host.generation import Generation
 from host.limits import DEFAULT_CAPACITY
 from host.model_dir import _resolve_model, cache_error
 from host.model_dir import synthetic_marker  # noqa: F401 - re-exported: part of this module's API
 from host.sampling import check_text
-from host.session import Generation, Session, prepare, render_turn
+from host.session import Session, prepare, render_turn
 from loader.chat_template import ChatTemplate
 from loader.checkpoint import Checkpoint, CheckpointError
 from loader.config import ConfigError, ModelConfig, preset
