@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import importlib
 import sys
+import tomllib
+from pathlib import Path
 
 import click
+
+from host.errors import ERROR, EnvironmentIOError
+from host.stdout_guard import StdoutClosed, StdoutError, detach_stdout, guarded_stdout
 
 # module name under host.commands -> subcommand name
 COMMANDS = {
@@ -21,12 +26,10 @@ COMMANDS = {
 
 def _version() -> str:
     """The installed package's version, else the source tree's pyproject.toml version."""
-    from importlib import metadata
+    from importlib import metadata  # deferred: ~70 ms, and only --version reads it
     try:
         return metadata.version("qwen-mk")
     except metadata.PackageNotFoundError:
-        import tomllib
-        from pathlib import Path
         try:
             with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
                 return tomllib.load(f)["project"]["version"] + " (source tree)"
@@ -55,8 +58,6 @@ class Main(click.Group):
     def main(self, *args, **kwargs):
         """click's main with stdout guarded (``host.stdout_guard``) for the whole run, --help and --version
         included."""
-        from host.stdout_guard import StdoutClosed, StdoutError, detach_stdout, guarded_stdout
-
         with guarded_stdout():
             try:
                 return super().main(*args, **kwargs)
@@ -64,9 +65,6 @@ class Main(click.Group):
                 detach_stdout()
                 sys.exit(0)
             except StdoutError as e:
-                from host.commands.generate import ERROR
-                from host.errors import EnvironmentIOError
-
                 detach_stdout()
                 click.echo(f"{ERROR} cannot write to stdout: {e.reason}", err=True)
                 sys.exit(EnvironmentIOError.exit_code)
@@ -77,7 +75,6 @@ class Main(click.Group):
         except click.UsageError:
             raise
         except click.ClickException as e:
-            from host.commands.generate import ERROR
             click.echo(f"{ERROR} {e.format_message()}", err=True)
             ctx.exit(e.exit_code)
         except KeyboardInterrupt:  # not click's "Aborted!" (exit 1): README's 130
@@ -104,8 +101,7 @@ def _register() -> None:
 
 def _interrupted() -> None:
     """Ctrl-C outside a command's own handling (while the commands import, say): one line, exit 130."""
-    import sys
-    click.echo("qwen-mk: error: interrupted", err=True)
+    click.echo(f"{ERROR} interrupted", err=True)
     sys.exit(130)  # host.errors.GenerationInterrupted.exit_code, README's exit codes
 
 

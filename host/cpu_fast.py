@@ -24,6 +24,7 @@ import numpy as np
 
 from assembler.numerics import GDN_CHUNK
 from assembler.ref.attention import rope_cos_sin
+from assembler.ref.envelope import _stats, _ulp
 from assembler.ref.numerics import BF16, f32
 from loader.config import ModelConfig
 
@@ -351,8 +352,6 @@ def agreement(cand: np.ndarray, ref: np.ndarray) -> tuple[dict, list[str]]:
     margin exceeds TIE_MARGIN + 1 ulp (near-ties may flip). Returns (stats, failure messages): stats has the
     d32 statistics, ``top1`` (agreement rate), ``max_abs`` (full-vocabulary max |cand − ref|), ``positions``,
     ``flip_margins`` (reference margins where the argmax differs)."""
-    from assembler.ref.envelope import _stats, _ulp
-
     c, r = f32(cand).reshape(-1, cand.shape[-1]), f32(ref).reshape(-1, ref.shape[-1])
     if c.shape != r.shape:
         raise ValueError(f"agreement: candidate logits {c.shape} and reference logits {r.shape} differ in shape")

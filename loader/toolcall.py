@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass, field
 
 from loader.config import ENDOFTEXT_ID, IM_END_ID, THINK_END_ID, THINK_ID, TOOL_CALL_END_ID, TOOL_CALL_ID
+from loader.detok import StreamDetokenizer
 
 # Marker ids as single lone-surrogate characters: decoded UTF-8 text can never contain one.
 TC, TCE, TH, THE = "\ud800", "\ud801", "\ud802", "\ud803"
@@ -318,7 +319,6 @@ class StreamParser:
     trailing newline are held until the continuation decides them. Same arguments as :func:`parse`."""
 
     def __init__(self, tokenizer, tools=None, reasoning: bool = True):
-        from loader.detok import StreamDetokenizer
         self._detok = StreamDetokenizer(tokenizer)
         self._schemas = tool_schemas(tools) if tools is not None else None
         self._state = "reasoning_start" if reasoning else "content"

@@ -18,6 +18,7 @@ config, the tokenizer files and qwen-mk's chat template (the one the training co
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -28,8 +29,11 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from loader import tokenizer  # write_tokenizer_files looked up at the call: a test makes it fail
 from loader.checkpoint import FP8, ST_NAMES, expected_tensors, stored_name
 from loader.config import FIRST_PADDING_ID, ModelConfig, preset
+from loader.progress import Progress
+from loader.synthetic import GENERATION_CONFIG, config_json
 
 WEIGHTS = Path(__file__).resolve().parent / "weights"
 TRAINED: dict[str, str] = {"qwen3.5-tiny-trained": "tiny"}  # name -> the preset whose shape it has
@@ -150,10 +154,6 @@ def write_checkpoint(name: str, out_dir: str | Path, log=None, progress: str | N
     ``model.safetensors`` in the real format, tokenizer.json + tokenizer_config.json. ``log(str)`` gets progress
     lines (``i/N tensors``); ``progress`` (a label saying what is written where) shows a bar of the bytes on stderr
     instead when it is a terminal (``loader.progress``). Returns {"bytes", "tensors"}."""
-    from loader.progress import Progress
-    from loader.synthetic import GENERATION_CONFIG, config_json
-    from loader.tokenizer import TEMPLATE_PATH, write_tokenizer_files
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = config(name)
@@ -176,8 +176,8 @@ def write_checkpoint(name: str, out_dir: str | Path, log=None, progress: str | N
                 log(f"{i + 1}/{len(names)} tensors")
     (out / "config.json").write_text(json.dumps(config_json(cfg), indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
-    tmpl = TEMPLATE_PATH.read_text(encoding="utf-8").split("\n", 1)
-    write_tokenizer_files(out, TEMPLATE_FIRST_LINE + "\n" + tmpl[1])
+    tmpl = tokenizer.TEMPLATE_PATH.read_text(encoding="utf-8").split("\n", 1)
+    tokenizer.write_tokenizer_files(out, TEMPLATE_FIRST_LINE + "\n" + tmpl[1])
     return {"bytes": off + len(raw) + 8, "tensors": len(names)}
 
 
@@ -188,8 +188,6 @@ def ensure_checkpoint(name: str, cache_dir: str | Path | None = None, log=None, 
     sibling and renamed, so an error leaves no partial checkpoint (the temporary directory is removed). ``log(str)``
     gets a first line saying what is written where, then progress lines; ``progress``: a bar of the bytes written
     on stderr instead of those lines, when stderr is a terminal."""
-    import fcntl
-
     artefact_dir(name)
     root = Path(cache_dir or os.environ.get("QWEN_MK_CACHE") or Path.home() / ".cache" / "qwen-mk")
     root.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from assembler.numerics import attn_partition_range
+from assembler.ref.dense import rmsnorm
 from assembler.ref.numerics import BF16, bf16, f32, need, need_dtype, sigmoid64
 from loader.config import ModelConfig
 
@@ -47,7 +48,6 @@ def attn_prep(qg: np.ndarray, k: np.ndarray, v: np.ndarray, q_norm_w: np.ndarray
     k [M, nkv, hd], v [M, nkv, hd]), all bf16.
 
     qg [M, 2·nq·hd] bf16 (q_proj output: head j = [query(hd) | gate(hd)]); k, v [M, nkv·hd] bf16; pos int [M]."""
-    from assembler.ref.ops import rmsnorm
     nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     M = qg.shape[0]
     need(qg.shape == (M, 2 * nq * hd) and k.shape == (M, nkv * hd) and v.shape == (M, nkv * hd),

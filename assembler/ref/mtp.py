@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from assembler.ref.dense import gemv, rmsnorm
 from assembler.ref.numerics import BF16, need, need_dtype
 
 
@@ -17,7 +18,6 @@ def mtp_input(e: np.ndarray, h: np.ndarray, norm_e_w: np.ndarray, norm_h_w: np.n
     norm weights [H] bf16; fc_w [H, 2H] bf16 → x [M, H] bf16 (GEMV store, bf16 weight, scale 1).
 
     ``swap=True`` concatenates [hidden, embedding] (wrong order; exists for the negative control only)."""
-    from assembler.ref.ops import gemv, rmsnorm
     need_dtype(e, BF16, "mtp_input: e")
     need_dtype(h, BF16, "mtp_input: h")
     need(fc_w.shape == (e.shape[1], 2 * e.shape[1]), f"mtp_input: fc weight must be [{e.shape[1]}, {2 * e.shape[1]}], got {fc_w.shape}")
@@ -29,6 +29,5 @@ def mtp_input(e: np.ndarray, h: np.ndarray, norm_e_w: np.ndarray, norm_h_w: np.n
 def mtp_step(x_layer_out: np.ndarray, mtp_norm_w: np.ndarray, lm_head: np.ndarray, eps: float):
     """Tail of the MTP head: ``lm_head(mtp.norm(x))``. x [M, H] bf16 (output of mtp.layers.0) → (logits [M, V]
     bf16, normed hidden [M, H] bf16 — the hidden the next draft step chains on)."""
-    from assembler.ref.ops import gemv, rmsnorm
     hn = rmsnorm(x_layer_out, mtp_norm_w, eps)
     return gemv(lm_head, None, hn, "store"), hn

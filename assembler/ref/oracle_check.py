@@ -7,11 +7,17 @@ Default candidate: the reference with the oracle's bf16-dequantised weights; ``-
 fp8 × scale GEMV; ``--theta`` overrides the RoPE base (the negative control uses 1e4)."""
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+
 import numpy as np
 
 from assembler.ref import ops
-from assembler.ref.envelope import PromptScore, score
+from assembler.ref.envelope import Envelope, PromptScore, load_goldens, score
+from assembler.ref.model import ReferenceModel
 from assembler.ref.numerics import f32
+from loader.checkpoint import Checkpoint
+from loader.synthetic import ensure_checkpoint
 
 LM_BATCH = 128      # rows per batched lm_head GEMM (exact per row, so batching changes no bit)
 
@@ -60,13 +66,6 @@ def score_run(name: str, res: dict, golden: dict, oracle_path: str, upto: int | 
 
 
 def main(argv=None) -> None:
-    import argparse
-    from pathlib import Path
-
-    from assembler.ref.envelope import Envelope, load_goldens
-    from assembler.ref.model import ReferenceModel
-    from loader.checkpoint import Checkpoint
-    from loader.synthetic import ensure_checkpoint
     ap = argparse.ArgumentParser(description="reference vs transformers oracle goldens (docs/tolerance.md)")
     ap.add_argument("--path", choices=("prefill", "decode"), required=True)
     ap.add_argument("--engine", action="store_true", help="exact fp8 x scale weights instead of the oracle's bf16")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from assembler.ref.dense import argmax
 from assembler.ref.numerics import f32, need
 
 
@@ -72,7 +73,6 @@ def sample(logits: np.ndarray, temperature: float, top_k: int | None, top_p: flo
     Otherwise p = softmax(filter_logits(...)) in fp32 and one ``rng.random()`` draw u per row (row order):
     the token is the first id, in ascending id order, whose float64 cumulative probability exceeds u·Σp.
     logits [V] → int; [M, V] → int64 [M]."""
-    from assembler.ref.ops import argmax
     if not temperature:
         return argmax(logits) if np.ndim(logits) == 2 else int(argmax(logits))
     s = np.atleast_2d(filter_logits(logits, temperature, top_k, top_p))

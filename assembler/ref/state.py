@@ -1,6 +1,7 @@
 """Session state of the reference model (docs/INTERFACES.md §3 ``ModelState``)."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,5 +61,4 @@ class ModelState:
 
     def copy(self) -> "ModelState":
         """Deep copy (verify passes roll back by keeping a copy)."""
-        import copy
         return copy.deepcopy(self)

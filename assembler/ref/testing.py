@@ -104,14 +104,14 @@ class OverlayWeights:
 
 def to_torch(x: np.ndarray):
     """bf16/fp32 NumPy → torch tensor with the same bits (tests against transformers)."""
-    import torch
+    import torch  # deferred: torch is the oracle's optional dependency (pyproject extra "oracle")
     if x.dtype == BF16:
         return torch.from_numpy(np.ascontiguousarray(x).view(np.int16).copy()).view(torch.bfloat16)
     return torch.from_numpy(np.ascontiguousarray(x).copy())
 
 
 def from_torch(t) -> np.ndarray:
-    import torch
+    import torch  # deferred, as in to_torch
     t = t.detach().contiguous()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16).view(BF16).copy()

@@ -24,7 +24,7 @@ def assistant_message(engine, ids: list[int], text: str, thinking: bool) -> dict
     """The assistant turn to keep in the history. With thinking on, the reasoning (up to id 248069
     ``</think>``, split by ``loader.toolcall.split_reasoning``) goes to ``reasoning_content`` so the template
     can drop it from earlier turns as the real one does."""
-    from loader.toolcall import split_reasoning
+    from loader.toolcall import split_reasoning  # deferred: the engine side (host.commands.generate)
 
     if not thinking:
         return {"role": "assistant", "content": text.strip()}
@@ -58,7 +58,7 @@ def command(system, timings, **kw):
     """Chat interactively (keeps the session between turns)."""
     check_model_args(kw)
     check_sampling_args(kw)  # bad sampling flags fail before the model loads
-    from host.sampling import check_text
+    from host.sampling import check_text  # deferred: the engine side (host.commands.generate)
 
     if system:
         check_text(system, "--system")

@@ -14,16 +14,18 @@ import click
 import numpy as np
 
 from host.commands.generate import handle_errors
+from host.errors import ExecutorUnavailable
+from host.executors import gpu_available
+from loader.config import preset as get_preset
+from loader.synthetic import SyntheticWeights
 
 
 def compare(preset: str, steps: int, rows: int, context: int = 0, seed: int = 0, time_steps: int = 32) -> dict:
     """Run the comparison; returns {"identical", "first_mismatch", "steps", "rows", "graph_ms_per_step",
     "megakernel_ms_per_step", ...}. Raises RuntimeError without a GPU."""
-    import cupy as cp
+    import cupy as cp  # deferred, with the GPU packages: only a GPU run loads them
     from discrete.step import DecodeStep
     from discrete.weights_gpu import WeightsGPU
-    from loader.config import preset as get_preset
-    from loader.synthetic import SyntheticWeights
     from megakernel.runner import Megakernel, compare_steps
     cfg = get_preset(preset)
     w = WeightsGPU.from_synthetic(SyntheticWeights(cfg, seed))
@@ -74,8 +76,6 @@ def compare(preset: str, steps: int, rows: int, context: int = 0, seed: int = 0,
 @handle_errors
 def command(preset: str, steps: int, rows: int, context: int, as_json: bool) -> None:
     """Graph path vs megakernel: bit identity of every buffer after every step, and ms/token of each."""
-    from host.errors import ExecutorUnavailable
-    from host.executors import gpu_available
     ok, why = gpu_available()
     if not ok:
         raise ExecutorUnavailable(f"compare runs the graph path and the megakernel on a GPU: {why}")

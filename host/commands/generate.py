@@ -4,6 +4,9 @@ Also holds the option set and error handling that ``chat`` shares. Exit codes: 0
 of the error raised (2 bad argument, 3 empty prompt, 4 too long, 5 bad token id, 6 model, 7 executor,
 8 the cache directory or stdout cannot be written, 130 interrupted); click's own 2 for usage errors. An empty PROMPT is a valid chat message (the template still
 gives the model a prompt, as vLLM accepts it); only with ``--raw`` is an empty (or blank) PROMPT refused (3).
+
+The engine side (``host.engine``, ``host.session``, ``host.sampling``: the reference ops, tokenizer and template
+behind them) is imported inside the functions that use it, so ``qwen-mk --help`` and flag errors never load it.
 """
 from __future__ import annotations
 
@@ -16,9 +19,10 @@ import warnings
 
 import click
 
-from host.errors import EngineError, GenerationInterrupted, IgnoredArgumentWarning
+from host.errors import ERROR, EmptyPrompt, EngineError, GenerationInterrupted, IgnoredArgumentWarning, InvalidArgument
 from host.executors import KINDS
-from host.limits import DEFAULT_MAX_NEW_TOKENS, EPS_TEXT, SAMPLING_EPS
+from host.limits import DEFAULT_CAPACITY, DEFAULT_MAX_NEW_TOKENS, EPS_TEXT, SAMPLING_EPS
+from host.stdout_guard import StdoutClosed, StdoutError
 from loader.config import PRESETS
 from loader.trained import DEFAULT_MODEL, TRAINED
 from loader.trained import config as trained_config
@@ -90,7 +94,7 @@ def check_model_args(kw: dict) -> None:
 
 def _params(kw: dict):
     """The ``host.sampling.SamplingParams`` of the command's sampling flags (InvalidArgument when out of range)."""
-    from host.sampling import SamplingParams
+    from host.sampling import SamplingParams  # deferred: the engine side (module docstring)
 
     return SamplingParams(kw["temperature"], kw["top_k"], kw["top_p"], kw["seed"])
 
@@ -104,18 +108,17 @@ def check_sampling_args(kw: dict) -> None:
     where they have no effect; vLLM ignores them there too). Leaves an absent ``kw["max_new_tokens"]`` None: the
     API fills in its default (DEFAULT_MAX_NEW_TOKENS, or --capacity - 1 or the model's context - 1 when smaller)
     once the model is loaded, since a ``--model DIR``'s context is not known here."""
-    from host.sampling import check_generation_args
+    from host.sampling import check_generation_args  # deferred: the engine side (module docstring)
 
     p = _params(kw)
     if any(not s for s in kw["stop"]):  # Session.generate's check, before the model loads
-        from host.errors import InvalidArgument
         raise InvalidArgument(f"stop: expected non-empty strings, got {list(kw['stop'])!r}")
     name = kw["preset"] or (None if kw["model_dir"] else DEFAULT_MODEL)  # Engine.load's default
     cfg = PRESETS.get(name) or (trained_config(name) if name in TRAINED else None)
     ctx = cfg.max_position_embeddings if cfg else None
     cap = kw["capacity"]
     if cap is None:  # Engine.load's default (4096, or the model's context when smaller; a --model DIR's context
-        from host.engine import DEFAULT_CAPACITY  # is known only after loading: the API checks again there)
+        # is known only after loading: the API checks again there)
         cap = min(DEFAULT_CAPACITY, ctx) if ctx else DEFAULT_CAPACITY
         if ctx:
             kw["capacity"] = cap
@@ -136,7 +139,7 @@ def check_against_model(eng, kw: dict) -> None:
     turn, rather than a dropped turn each time (``generate``'s one call raises the same by itself)."""
     if kw["max_new_tokens"] is None:  # the API's default fits the model by construction
         return
-    from host.sampling import check_generation_args
+    from host.sampling import check_generation_args  # deferred: the engine side (module docstring)
 
     with warned_already():
         check_generation_args(_params(kw), kw["max_new_tokens"], eng.executor.capacity,
@@ -154,12 +157,9 @@ def warned_already():
 
 def load_engine(kw: dict):
     """Engine for the CLI options (raises EngineError subclasses)."""
-    from host.engine import Engine
+    from host.engine import Engine  # deferred: the engine side (module docstring)
 
     return Engine.load(kw["model_dir"] or kw["preset"], kw["executor"], capacity=kw["capacity"])
-
-
-ERROR = "qwen-mk: error:"  # prefix of every error that is not a usage error (host.cli.Main says the rule)
 
 
 def handle_errors(f):
@@ -202,7 +202,7 @@ def timing_line(r) -> str:
 
 def interrupted_oneshot(e: GenerationInterrupted, shown: str) -> GenerationInterrupted:
     """The CLI's wording of Ctrl-C in a one-shot ``generate``: what was printed (``shown``) is all there is."""
-    from host.session import tokens_text
+    from host.session import tokens_text  # deferred: the engine side (module docstring)
 
     after = "" if e.tokens is None else f" after {tokens_text(e.tokens)}"
     return GenerationInterrupted(f"generation interrupted{after}; the one-shot session is closed ({shown})",
@@ -228,8 +228,6 @@ def read_prompt(prompt: str | None) -> str:
 @handle_errors
 def command(prompt, raw, as_json, **kw):
     """Generate a reply to PROMPT (or stdin) and stream it."""
-    from host.errors import EmptyPrompt
-
     check_model_args(kw)
     check_sampling_args(kw)  # bad sampling flags fail before the model loads (as in chat)
     if raw and kw["no_think"]:
@@ -237,7 +235,7 @@ def command(prompt, raw, as_json, **kw):
     text = read_prompt(prompt)
     if raw and not text.strip():  # an empty user message is a valid chat prompt: the template gives it tokens
         raise EmptyPrompt("the prompt is empty (or blank); with --raw no chat template adds tokens to it")
-    from host.sampling import check_text
+    from host.sampling import check_text  # deferred: the engine side (module docstring)
 
     check_text(text, "prompt")  # before the model loads
     eng = load_engine(kw)
@@ -262,8 +260,6 @@ def command(prompt, raw, as_json, **kw):
                 out.flush()
                 wrote = True
     except BaseException as e:
-        from host.stdout_guard import StdoutClosed, StdoutError
-
         if wrote and not isinstance(e, (StdoutClosed, StdoutError)):  # end the cut-short reply line
             out.write("\n")
             out.flush()

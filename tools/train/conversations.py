@@ -101,7 +101,7 @@ class _Files:
                 continue
             pub = sorted(a for a in dir(mod) if not a.startswith("_") and callable(getattr(mod, a, None)))
             self.names += [f"{m}.{a}" for a in pub if _doc_first_line(f"{m}.{a}")]
-        from tools.train.corpus import held_out
+        from tools.train.corpus import held_out  # deferred: corpus imports this module at its top
         self.funcs: list[tuple[str, str, str]] = []  # (file, signature line, source) of training-split files only
         for p in self.files:
             if held_out(p.relative_to(STDLIB).as_posix()):

@@ -30,6 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
+from loader.config import preset
+from loader.synthetic import config_json
+from loader.tokenizer import Tokenizer
+from tools.train import conversations
+
 MAX_FILE_BYTES = 400_000
 EOT = 248044
 N_TRAIN_CONV, N_VAL_CONV = 10000, 500
@@ -77,9 +82,6 @@ def _tokens(tok, texts: list[str]) -> np.ndarray:
 
 def build(deb: Path, out: Path) -> dict:
     """Build the corpus into ``out``; returns the manifest dict."""
-    from loader.tokenizer import Tokenizer
-    from tools.train import conversations
-
     t0 = time.perf_counter()
     tok = Tokenizer.synthetic()
     out.mkdir(parents=True, exist_ok=True)
@@ -106,8 +108,6 @@ def build(deb: Path, out: Path) -> dict:
     man["corpus_npz_sha256"] = hashlib.sha256((out / "corpus.npz").read_bytes()).hexdigest()
     man["seconds"] = round(time.perf_counter() - t0, 1)
     (out / "manifest.json").write_text(json.dumps(man, indent=1) + "\n")
-    from loader.config import preset
-    from loader.synthetic import config_json
     (out / "text_config.json").write_text(json.dumps(config_json(preset("tiny"))["text_config"], indent=1) + "\n")
     return man
 

@@ -21,6 +21,10 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from loader.checkpoint import FP8, SCALE_SUFFIX, expected_tensors
+from loader.config import preset
+from loader.synthetic import config_json
+
 SHARD_BYTES = 12 << 20
 
 
@@ -36,8 +40,6 @@ def e4m3_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def normalise(body: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[str]]:
     """Body tensors in the checkpoint's dtypes; returns (tensors, names quantised here)."""
-    from loader.checkpoint import FP8, SCALE_SUFFIX, expected_tensors
-    from loader.config import preset
     exp = expected_tensors(preset("tiny"))
     out, quantised = {}, []
     for n, a in body.items():
@@ -79,8 +81,6 @@ def main(argv=None) -> None:
             shutil.copyfile(a.run / f, a.out / f)
     log = json.loads((a.run / "train_log.json").read_text())
     cm = json.loads((a.corpus / "manifest.json").read_text())
-    from loader.synthetic import config_json
-    from loader.config import preset
     man = {
         "name": "qwen3.5-tiny-trained",
         "what": "a small Qwen3.5 (the tiny preset's shape: hidden 256, 8 layers LLLF LLLF, 1 MTP layer) trained by "

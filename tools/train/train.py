@@ -29,6 +29,7 @@ e4m3 and uint16 bf16 incl. ``*_scale_inv``), ``embed.npz`` (``ids`` int32 [K-2] 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import time
@@ -39,6 +40,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from loader.config import preset
+from loader.synthetic import config_json
+
 FULL_VOCAB, FIRST_ADDED, FIRST_PAD = 248320, 248044, 248077
 N_PAD = FULL_VOCAB - FIRST_PAD
 BODY_SHARD_BYTES = 12 << 20
@@ -47,12 +51,10 @@ BODY_SHARD_BYTES = 12 << 20
 def hf_config(vocab: int, text_config: Path | None = None):
     """transformers config of the tiny preset with a ``vocab``-row tied vocabulary, from ``text_config``
     (the corpus's ``text_config.json``) or, when None, from ``loader``."""
-    from transformers import Qwen3_5TextConfig
+    from transformers import Qwen3_5TextConfig  # deferred: transformers takes seconds to import
     if text_config is not None:
         tc = json.loads(Path(text_config).read_text())
     else:
-        from loader.config import preset
-        from loader.synthetic import config_json
         tc = dict(config_json(preset("tiny"))["text_config"])
     tc.pop("quantization_config", None)
     tc.update(vocab_size=vocab, tie_word_embeddings=True, use_cache=False)
@@ -66,9 +68,8 @@ class MTP(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        import copy
-
-        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+        from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5DecoderLayer,  # deferred, as in hf_config
+                                                                  Qwen3_5RMSNorm)
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
         mc = copy.deepcopy(cfg)
         mc.layer_types = ["full_attention"]
@@ -89,7 +90,7 @@ class MTP(nn.Module):
 class Net(nn.Module):
     def __init__(self, cfg, K: int, n_other: int):
         super().__init__()
-        from transformers import Qwen3_5ForCausalLM
+        from transformers import Qwen3_5ForCausalLM  # deferred, as in hf_config
         self.lm = Qwen3_5ForCausalLM(cfg)
         self.mtp = MTP(cfg)
         self.K = K
@@ -373,7 +374,7 @@ def main(argv=None) -> None:
     for i, sh in enumerate(shards):
         np.savez_compressed(a.out / f"body_{i}.npz", **sh)
     np.savez_compressed(a.out / "embed.npz", ids=keep, embed_e4m3=to_bits(qE), embed_exp=kE.cpu().numpy())
-    import transformers
+    import transformers  # deferred, as in hf_config
     log = {"seed": a.seed, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
            "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                         "cuda": torch.version.cuda, "numpy": np.__version__,
