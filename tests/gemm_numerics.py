@@ -141,6 +141,17 @@ def emulate(w, scale, x, epilogue: str = "store", split: int | None = None, resi
     return np.concatenate(cols), np.concatenate(outs, axis=1)
 
 
+def shapes(cfg):
+    """(name, N, K, epilogue) of the fp8 projections the prefill GEMM runs, fused as the decode graph fuses them
+    (gdn_in = in_proj_qkv | in_proj_z, attn_in = q | k | v, gate_up = gate | up), and the parts alone."""
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    return [("gate_up", 2 * f, h, "swiglu"), ("down", h, f, "residual"),
+            ("gdn_in", cfg.gdn_conv_dim + cfg.gdn_value_dim, h, "store"), ("gdn_qkv", cfg.gdn_conv_dim, h, "store"),
+            ("gdn_z", cfg.gdn_value_dim, h, "store"), ("gdn_out", h, cfg.gdn_value_dim, "residual"),
+            ("attn_in", cfg.q_proj_rows + 2 * cfg.kv_rows, h, "store"), ("attn_q", cfg.q_proj_rows, h, "store"),
+            ("attn_kv", cfg.kv_rows, h, "store"), ("attn_o", h, cfg.attn_out_dim, "residual")]
+
+
 def rand_fp8(rng, n: int, k: int) -> np.ndarray:
     """Random e4m3 weights (every finite code; no NaN codes: checkpoints never hold them)."""
     b = rng.integers(0, 256, size=(n, k), dtype=np.uint8)

@@ -21,16 +21,6 @@ from loader.config import preset
 from tests import gemm_numerics as gn
 
 
-def shapes(cfg):
-    """(name, N, K, epilogue) of the projections the prefill GEMM runs (fp8), fused as the decode graph fuses them."""
-    h, f = cfg.hidden_size, cfg.intermediate_size
-    return [("gate_up", 2 * f, h, "swiglu"), ("down", h, f, "residual"),
-            ("gdn_in", cfg.gdn_conv_dim + cfg.gdn_value_dim, h, "store"), ("gdn_qkv", cfg.gdn_conv_dim, h, "store"),
-            ("gdn_z", cfg.gdn_value_dim, h, "store"), ("gdn_out", h, cfg.gdn_value_dim, "residual"),
-            ("attn_in", cfg.q_proj_rows + 2 * cfg.kv_rows, h, "store"), ("attn_q", cfg.q_proj_rows, h, "store"),
-            ("attn_kv", cfg.kv_rows, h, "store"), ("attn_o", h, cfg.attn_out_dim, "residual")]
-
-
 def case(pname, name, N, K, M, *salt):
     rng = np.random.default_rng(zlib.crc32("/".join(map(str, (pname, name, M) + salt)).encode()))
     w, s, x = gn.rand_fp8(rng, N, K), gn.rand_scale(rng, N, K), gn.rand_bf16(rng, (M, K))
@@ -109,7 +99,7 @@ def test_tile_rows_cover_each_row_once(epilogue, N):
         assert (sub // 128 == sub[:, :1] // 128).all()
 
 
-TINY = [(n, N, K, e) for n, N, K, e in shapes(preset("tiny"))]
+TINY = [(n, N, K, e) for n, N, K, e in gn.shapes(preset("tiny"))]
 
 
 @pytest.mark.parametrize("M", [16, 19, 130])
@@ -123,7 +113,7 @@ def test_emulation_is_the_reference_tiny(name, N, K, epi, M):
         assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), f"{name} M={M} S={S}"
 
 
-BIG = [(n, N, K, e) for n, N, K, e in shapes(preset("qwen3.5-27b"))]
+BIG = [(n, N, K, e) for n, N, K, e in gn.shapes(preset("qwen3.5-27b"))]
 
 
 @pytest.mark.parametrize("name,N,K,epi", BIG, ids=[s[0] for s in BIG])
