@@ -9,7 +9,8 @@ the decode GEMV on the same rows; a shape that fails is reported and not timed. 
 ``reps`` back-to-back launches after warm-up, rotating over weight copies that together exceed 2 × L2 (the
 weights are read from DRAM as in a prefill): our GEMM with the shape's epilogue, and ``cupy.matmul`` of the bf16
 activations with the weights widened to bf16 once, outside the timing (cuBLAS; float16 if this CuPy refuses
-bf16 matmul — the JSON says which). TFLOP/s = 2·M·N·K / time; ratio = cuBLAS time / our time (target ≥ 0.85).
+bf16 matmul — the JSON says which). TFLOP/s = 2·M·N·K / time; ratio = cuBLAS time / our time (target ≥ 0.85). Rows: ``gemm(<epilogue>)`` (ours,
+with ``ratio``) and ``cublas <dtype>``, in bench/harness.py's layout (``bytes`` = the operands' bytes).
 ``per_prefill``: Σ over the 27B's projections (shape × calls per forward pass) of both times at each M.
 Writes {name}.json (bench/results/ or --out) after every shape.
 """
@@ -124,10 +125,15 @@ def bench_shape(cfg, name, N, K, epi, rows_list, rng, dt, reps):
         ys = [cp.empty((M, N), dt) for _ in range(Rb)]
         blas = time_calls(stream, [lambda i=i: cp.matmul(xb, wides[i].T, out=ys[i]) for i in range(Rb)], 3, reps)
         tf = lambda ms: round(2 * M * N * K / (ms * 1e-3) / 1e12, 1)
-        res.append({**base, "gemm_ms": round(ours["median_ms"], 4), "gemm_min_ms": round(ours["min_ms"], 4),
-                    "gemm_tflops": tf(ours["median_ms"]), "cublas_ms": round(blas["median_ms"], 4),
-                    "cublas_tflops": tf(blas["median_ms"]), "ratio": round(blas["median_ms"] / ours["median_ms"], 3),
-                    "meets_target": blas["median_ms"] / ours["median_ms"] >= TARGET, "reps": reps})
+        io = 2 * M * K + 2 * M * gs[0].n_out + (2 * M * N if r_d is not None else 0)  # X, out, residual bytes
+        ratio = blas["median_ms"] / ours["median_ms"]
+        res.append({**base, "variant": f"gemm({epi})", "median_ms": round(ours["median_ms"], 4),
+                    "min_ms": round(ours["min_ms"], 4), "tflops": tf(ours["median_ms"]),
+                    "bytes": int(w_d.nbytes + s_d.nbytes + io), "cublas_ms": round(blas["median_ms"], 4),
+                    "ratio": round(ratio, 3), "meets_target": ratio >= TARGET, "reps": reps})
+        res.append({**base, "variant": f"cublas {np.dtype(dt).name}", "median_ms": round(blas["median_ms"], 4),
+                    "min_ms": round(blas["min_ms"], 4), "tflops": tf(blas["median_ms"]),
+                    "bytes": int(wide.nbytes + 2 * M * K + 2 * M * N), "reps": reps})
     return res
 
 
@@ -135,9 +141,9 @@ def per_prefill(results, calls):
     """Derived: Σ calls × time of the fused projections per forward pass, ours and cuBLAS, per M."""
     out = {}
     for M in sorted({e["M"] for e in results}):
-        rows = [e for e in results if e["M"] == M and calls.get(e["shape"], 0) and "gemm_ms" in e]
+        rows = [e for e in results if e["M"] == M and calls.get(e["shape"], 0) and "cublas_ms" in e]
         if len(rows) == sum(1 for v in calls.values() if v):
-            g = sum(e["gemm_ms"] * calls[e["shape"]] for e in rows)
+            g = sum(e["median_ms"] * calls[e["shape"]] for e in rows)
             b = sum(e["cublas_ms"] * calls[e["shape"]] for e in rows)
             out[str(M)] = {"gemm_s": round(g / 1e3, 4), "cublas_s": round(b / 1e3, 4), "ratio": round(b / g, 3)}
     return out
@@ -165,9 +171,9 @@ def main(argv=None):
         for e in bench_shape(cfg, name, N, K, epi, a.rows, rng, dt, a.reps):
             results.append(e)
             failed |= not e["correct"]
-            print(f"{e['shape']:>8} M={e['M']:<5} " + (
-                f"ours {e['gemm_ms']:8.3f} ms {e['gemm_tflops']:6.1f} TF/s | cuBLAS {e['cublas_ms']:8.3f} ms "
-                f"{e['cublas_tflops']:6.1f} TF/s | ratio {e['ratio']:.3f}" if "gemm_ms" in e else "FAILED CHECK"),
+            print(f"{e['shape']:>8} M={e['M']:<5} {e['variant']:<16} " + (
+                f"{e['median_ms']:8.3f} ms {e['tflops']:6.1f} TFLOP/s" + (f"  ratio {e['ratio']:.3f}" if "ratio" in e
+                                                                          else "") if "median_ms" in e else ""),
                 flush=True)
         result_file(a.name, results, {**meta, "per_prefill": per_prefill(results, calls)}, a.out)
     summary = per_prefill(results, calls)
