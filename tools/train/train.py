@@ -51,7 +51,7 @@ BODY_SHARD_BYTES = 12 << 20
 def hf_config(vocab: int, text_config: Path | None = None):
     """transformers config of the tiny preset with a ``vocab``-row tied vocabulary, from ``text_config``
     (the corpus's ``text_config.json``) or, when None, from ``loader``."""
-    from transformers import Qwen3_5TextConfig  # deferred: transformers takes seconds to import
+    from transformers import Qwen3_5TextConfig  # deferred: the heavy oracle package, loaded where a model is built
     if text_config is not None:
         tc = json.loads(Path(text_config).read_text())
     else:
