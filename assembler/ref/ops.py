@@ -19,6 +19,7 @@ from assembler.ref.dense import (argmax, dequantize_bf16, embed, gemv, gemv_part
 from assembler.ref.gdn import (gdn_conv_prefill, gdn_conv_step, gdn_gates, gdn_prefill_chunked, gdn_qk_norm,
                                gdn_step_head)
 from assembler.ref.mtp import mtp_input, mtp_step
+from assembler.ref.numerics import bf16  # noqa: F401 - the GPU norm tests build their (1+w) control with it
 from assembler.ref.sampling import filter_logits, sample
 
 __all__ = ["embed", "widen", "dequantize_bf16", "rmsnorm", "rmsnorm_gated", "gemv_partial", "gemv_reduce", "gemv", "residual_add", "argmax",
