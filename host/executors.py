@@ -305,8 +305,9 @@ class _DeviceStepOutput(StepOutput):
     """A GPU step's output: the device's greedy ``token`` now; ``logits`` [V] bf16 copied from the device only
     when the host asks for them (sampling), so greedy decoding moves one integer per step."""
 
-    def __init__(self, token: int | None, fetch):
+    def __init__(self, token: int | None, fetch, sample=None):
         self.token, self._fetch, self._logits = token, fetch, None
+        self.sample_on_device = sample  # (temperature, top_k, top_p, u) -> id, drawn from the logits on the device
 
     @property
     def logits(self) -> np.ndarray:  # type: ignore[override]
@@ -343,10 +344,21 @@ class GraphExecutor(Executor):
                        f"{'materialised on the GPU' if synthetic else 'uploaded'} in {self.load_s:.1f} s; "
                        f"prefill = eager passes of {MAX_PREFILL_ROWS} rows")
         self._captured = False
+        self.device_sampling = True  # draw sampled tokens on the GPU (discrete.sampling); False: on the host
+        self._sampler = None         # the DeviceSampler, built at the first sampled token
 
     def reset(self, slot: int = 0) -> None:
         self._check_slot(slot)
         self.dstep.reset(pos=0)
+
+    def _sample(self, temperature: float, top_k: int | None, top_p: float | None, u: float) -> int:
+        """A token drawn on the device from the last step's logits row (the host sampler's rules and draw u)."""
+        if self._sampler is None:
+            from discrete.sampling import DeviceSampler
+            self._sampler = DeviceSampler(self.cfg)
+        d = self.dstep
+        with d.stream:
+            return self._sampler(d.buf["logits"][d.last_m - 1], temperature, top_k, top_p, u)
 
     def select(self, slot: int) -> None:
         self._check_slot(slot)
@@ -360,7 +372,7 @@ class GraphExecutor(Executor):
         fetch = lambda: np.asarray(self.dstep.buffer("logits"))[-1]  # noqa: E731
         if not 0 <= tok < FIRST_PADDING_ID:  # defensive: the device argmax must never pick a padding id
             tok = None
-        return _DeviceStepOutput(tok, fetch)
+        return _DeviceStepOutput(tok, fetch, self._sample if self.device_sampling else None)
 
     def prefill(self, ids: Sequence[int]) -> StepOutput:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)

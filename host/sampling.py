@@ -179,6 +179,21 @@ class Sampler:
         self.seed = params.seed if (params.seed is not None or params.greedy) else secrets.randbits(63)
         self.rng = np.random.Generator(np.random.PCG64(self.seed))
 
+    def choose(self, out) -> int:
+        """Next token for a step's output ``out`` (a ``StepOutput``): the device's greedy token when decoding is
+        greedy and the executor chose one; a draw on the device when the executor offers one
+        (``out.sample_on_device``, the same rules and the same draw u as the host's); else the host's choice from
+        ``out.logits``. Raises ValueError when the output holds neither logits nor a token."""
+        p = self.params
+        if p.greedy and getattr(out, "token", None) is not None:
+            return int(out.token)
+        dev = getattr(out, "sample_on_device", None)
+        if dev is not None and not p.greedy:
+            return int(dev(float(p.temperature), p.top_k or 0, p.top_p, float(self.rng.random())))
+        if out.logits is None:
+            raise ValueError("the step returned neither logits nor a token")
+        return self(out.logits)
+
     def __call__(self, logits: np.ndarray) -> int:
         """Next token id for ``logits`` [V] (bf16 or fp32); never a padding id."""
         if logits.ndim != 1:

@@ -308,11 +308,9 @@ class Session:
             tm.prefill_ms = (t1 - t0) * 1e3
             finish, why, stop_reason = None, "", None
             while finish is None:
-                tok = out.token if (out.token is not None and sampler.params.greedy) else None
-                if tok is None:
-                    if out.logits is None:
-                        raise EngineError(f"{ex.name} executor returned neither logits nor a token")
-                    tok = sampler(out.logits)
+                if out.token is None and out.logits is None:
+                    raise EngineError(f"{ex.name} executor returned neither logits nor a token")
+                tok = sampler.choose(out)
                 if not out_ids:
                     t_first, paused = time.perf_counter(), 0.0
                     tm.ttft_ms = (t_first - t0) * 1e3
