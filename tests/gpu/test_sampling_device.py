@@ -82,7 +82,9 @@ CASES = [  # (row kind, temperature, top_k, top_p)
 
 
 @pytest.fixture(scope="module")
-def sampler(gpu):
+def sampler():
+    """One DeviceSampler for the module (the 27B vocabulary); without a GPU the tests here are skipped at
+    collection (tests/gpu/conftest.py), so this never runs there."""
     from discrete.sampling import DeviceSampler
     return DeviceSampler(preset("qwen3.5-27b"))
 
