@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from assembler.ref import sampling as ref
-from assembler.ref.numerics import f32
+from assembler.ref.numerics import BF16, f32
 from loader.config import FIRST_PADDING_ID, preset
 from host.sampling import mask_padding
 from tests.gpu.helpers import seed_of
@@ -55,7 +55,7 @@ def _row(rng, kind: str, V: int) -> np.ndarray:
 
 def _reference(bits: np.ndarray, temperature, top_k, top_p, u):
     """(id, kept count, the draw's distance to its nearest cumulative boundary over Σp)."""
-    logits = mask_padding(f32(bits))
+    logits = mask_padding(f32(bits.view(BF16)))  # the bits as bf16 values (f32 of uint16 would cast integers)
     tok = int(ref.sample(logits, temperature, top_k, top_p if top_p is not None else 1.0, _FixedU(u)))
     s = ref.filter_logits(logits, temperature, top_k, top_p)
     m = np.max(s)
