@@ -9,7 +9,8 @@
 2. Decode: ``Engine.load(preset, executor)`` on the graph and megakernel executors, the same prompt, ``tokens``
    new tokens (no stop), decode ms/token greedy, sampled on the device, sampled on the host
    (``executor.device_sampling = False``); ``sampled_over_greedy`` = device-sampled / greedy (target <= 1.05).
-Writes sampling.json (bench/results/ or --out).
+Writes sampling.json into bench/results/e2e/ (or --out): a kernel of a few hundred microseconds and decode
+figures, not a bandwidth row for bench/README.md's table.
 """
 from __future__ import annotations
 
@@ -120,7 +121,8 @@ def main(argv=None) -> int:
     cfg = preset(a.preset)
     rows = kernel_rows(cfg)
     rows += decode_rows(a.preset, a.tokens)
-    p = result_file("sampling", rows, {"target_sampled_over_greedy": TARGET}, a.out)
+    out = a.out or str(Path(__file__).resolve().parent / "results" / "e2e")
+    p = result_file("sampling", rows, {"target_sampled_over_greedy": TARGET}, out)
     print(f"wrote {p}")
     return 0 if all(r.get("correct", True) for r in rows) else 1
 
