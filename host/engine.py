@@ -166,8 +166,8 @@ class Engine:
     def chat(self, messages: list[dict], tools: list[dict] | None = None, enable_thinking: bool = True,
              **kw) -> Generation:
         """Render ``messages`` with the chat template and generate in a fresh session (``Session.generate`` args:
-        max_new_tokens, temperature, top_k, top_p, seed, stop, stop_ids). Holds a slot only while it runs, as
-        :meth:`generate`."""
+        max_new_tokens, temperature, top_k, top_p, min_p, seed, stop, stop_ids, logprobs). Holds a slot only while
+        it runs, as :meth:`generate`."""
         ids, marks = render_turn(self, messages, tools, enable_thinking)
         return self._oneshot(prepare(self, ids, checkpoint_at=marks, **kw))
 

@@ -15,12 +15,15 @@ class Delta:
     """One streamed piece: ``text`` (complete UTF-8 characters, possibly empty while held back for a stop
     string), the generated ``ids`` it accounts for, and on the last delta ``finish_reason`` and ``stop_reason``
     (vLLM's names: ``stop`` = an EOS or stop token or a stop string, ``length`` = max_new_tokens reached or the
-    session full; ``stop_reason`` = the matched stop string or stop token id, None for EOS and for ``length``)."""
+    session full; ``stop_reason`` = the matched stop string or stop token id, None for EOS and for ``length``).
+    ``logprobs`` (when the generation was asked for them): per id, (id, log-probability, [(id, log-probability)
+    of the most likely alternatives])."""
 
     text: str
     ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    logprobs: list | None = None
 
 
 @dataclass

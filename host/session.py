@@ -21,12 +21,13 @@ import numpy as np
 from host.errors import EmptyPrompt, EngineError, GenerationInterrupted, InvalidArgument, InvalidTokenId, PromptTooLong
 from host.executors import Executor, StepOutput
 from host.generation import Delta, Generation, GenerationResult, Timings
-from host.sampling import Sampler, SamplingParams, check_generation_args
+from host.sampling import Sampler, SamplingParams, check_generation_args, token_logprobs
 from loader.config import FIRST_PADDING_ID, IM_START_ID
 
 CKPT_ALIGN = 64        # GDN prefill chunk: state checkpoints sit on multiples of it (article Part 5.4)
 PREFILL_PIECE = 256    # longest prefill call (a multiple of CKPT_ALIGN): bounds the [T, V] logits the CPU path makes
 MAX_CHECKPOINTS = 8    # state snapshots kept per session (the newest)
+MAX_TOP_LOGPROBS = 20  # most alternatives per token ``logprobs=`` may ask for (OpenAI's top_logprobs limit)
 
 
 def validate_ids(ids: Sequence[int], vocab_size: int, what: str = "prompt", allow_empty: bool = False) -> list[int]:
@@ -105,7 +106,7 @@ def session_capacity(engine) -> int:
 def prepare(engine, prompt_ids: Sequence[int], *, max_new_tokens: int | None = None, temperature: float = 0.0,
             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
             stop: Sequence[str] | None = (), stop_ids: Sequence[int] | None = None,
-            checkpoint_at: Sequence[int] = ()) -> tuple:
+            checkpoint_at: Sequence[int] = (), min_p: float | None = None, logprobs: int | None = None) -> tuple:
     """Every check of ``Session.generate`` that needs no slot (its arguments and raises, the session's own state
     aside), done before any work; returns the arguments of ``Session._loop`` after the Generation. Shared with the
     one-shot ``Engine.generate`` / ``chat``, which take a slot only when their Generation starts."""
@@ -126,9 +127,14 @@ def prepare(engine, prompt_ids: Sequence[int], *, max_new_tokens: int | None = N
         raise InvalidArgument(f"stop: expected non-empty strings, got {list(stop)!r}")
     stop_set = set(cfg.eos_token_ids if stop_ids is None
                    else validate_ids(stop_ids, cfg.vocab_size, "stop_ids", allow_empty=True))
-    params = SamplingParams(temperature, top_k, top_p, seed)  # the shared check last: it may warn
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, (int, np.integer))
+                                 or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+        raise InvalidArgument(f"logprobs: expected an integer in [0, {MAX_TOP_LOGPROBS}] (the most likely "
+                              f"alternatives reported per token; None = no log-probabilities), got {logprobs!r}")
+    params = SamplingParams(temperature, top_k, top_p, seed, min_p)  # the shared check last: it may warn
     max_new = check_generation_args(params, max_new_tokens, engine.executor.capacity, cfg.max_position_embeddings)
-    return prompt, max_new, list(stop), stop_set, Sampler(params), [int(m) for m in checkpoint_at]
+    return (prompt, max_new, list(stop), stop_set, Sampler(params), [int(m) for m in checkpoint_at],
+            None if logprobs is None else int(logprobs))
 
 
 def render_turn(engine, messages: list[dict], tools: list[dict] | None,
@@ -249,7 +255,8 @@ class Session:
     def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int | None = None, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  stop: Sequence[str] = (), stop_ids: Sequence[int] | None = None,
-                 checkpoint_at: Sequence[int] = ()) -> Generation:
+                 checkpoint_at: Sequence[int] = (), min_p: float | None = None,
+                 logprobs: int | None = None) -> Generation:
         """Continue the conversation whose whole token stream is ``prompt_ids``; returns a streaming Generation.
 
         Stops on ``stop_ids`` (default: the config's eos ids 248046, 248044), on any ``stop`` string matched on
@@ -258,7 +265,9 @@ class Session:
         first two, ``length`` for the others; see GenerationResult). ``max_new_tokens``: at most ``capacity`` - 1
         (the prompt takes at least one token; as the CLI's ``--max-new-tokens``); None = 256, or ``capacity`` - 1
         when smaller. ``temperature``: 0 = greedy, and so is any value below 1e-5 (vLLM's rule). ``top_k`` /
-        ``top_p`` / ``seed`` act only when sampling (temperature >= 1e-5).
+        ``top_p`` / ``min_p`` / ``seed`` act only when sampling (temperature >= 1e-5). ``logprobs``: None, or
+        k in [0, 20]: each Delta then carries ``logprobs``, per id (id, its log-probability, the k most likely
+        (id, log-probability) pairs) under the model's raw distribution (``host.sampling.token_logprobs``).
         ``checkpoint_at``: extra prompt positions to snapshot (``chat`` passes the start of the generation
         prompt, where a re-rendered history usually diverges).
 
@@ -280,7 +289,8 @@ class Session:
             # stepped in turn would share the slot's state)
             raise EngineError("this session is already generating: finish or close() its Generation first")
         job = prepare(self.engine, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                      top_p=top_p, seed=seed, stop=stop, stop_ids=stop_ids, checkpoint_at=checkpoint_at)
+                      top_p=top_p, seed=seed, stop=stop, stop_ids=stop_ids, checkpoint_at=checkpoint_at,
+                      min_p=min_p, logprobs=logprobs)
         g = Generation(lambda g: self._loop(g, *job))
         self._pending = weakref.ref(g)
         return g
@@ -294,7 +304,7 @@ class Session:
         return self.generate(ids, checkpoint_at=marks, **kw)
 
     def _loop(self, g: Generation, prompt: list[int], max_new: int, stops: list[str], stop_set: set[int],
-              sampler: Sampler, marks: list[int]) -> Iterator[Delta]:
+              sampler: Sampler, marks: list[int], n_logprobs: int | None = None) -> Iterator[Delta]:
         ex = self.engine.executor
         t0 = time.perf_counter()
         tm = Timings(prompt_tokens=len(prompt))
@@ -311,6 +321,7 @@ class Session:
                 if out.token is None and out.logits is None:
                     raise EngineError(f"{ex.name} executor returned neither logits nor a token")
                 tok = sampler.choose(out)
+                lps = None if n_logprobs is None else [(tok, *token_logprobs(out.logits, tok, n_logprobs))]
                 if not out_ids:
                     t_first, paused = time.perf_counter(), 0.0
                     tm.ttft_ms = (t_first - t0) * 1e3
@@ -332,7 +343,7 @@ class Session:
                 elif finish:
                     text += match.flush()
                 ty = time.perf_counter()
-                yield Delta(text, [tok], finish, stop_reason)  # hand the text out before the next step computes
+                yield Delta(text, [tok], finish, stop_reason, lps)  # hand the text out before the next step computes
                 paused += time.perf_counter() - ty  # time the consumer held the stream is not decode time
                 if finish is None:
                     out = self._ex().step(tok)  # re-select the slot: another session may have run meanwhile
