@@ -46,6 +46,16 @@ class Engine:
         self.cfg, self.model_dir, self.weights = cfg, model_dir, weights
         self.tokenizer, self.template, self.executor = tokenizer, template, executor
         self._free = list(range(executor.slots))
+        self._grammars = None
+
+    @property
+    def grammars(self):
+        """The engine's ``host.grammar.GrammarCache``: every grammar compiled once per distinct schema / regex /
+        tool list, made on the first constrained request."""
+        if self._grammars is None:
+            from host.grammar import GrammarCache
+            self._grammars = GrammarCache(self.tokenizer, self.cfg.eos_token_ids, self.cfg.vocab_size)
+        return self._grammars
 
     @classmethod
     def load(cls, path_or_preset: str | Path | None = None, executor: str | None = None, *,
@@ -166,10 +176,11 @@ class Engine:
     def chat(self, messages: list[dict], tools: list[dict] | None = None, enable_thinking: bool = True,
              **kw) -> Generation:
         """Render ``messages`` with the chat template and generate in a fresh session (``Session.generate`` args:
-        max_new_tokens, temperature, top_k, top_p, seed, stop, stop_ids). Holds a slot only while it runs, as
-        :meth:`generate`."""
+        max_new_tokens, temperature, top_k, top_p, seed, stop, stop_ids, tool_choice, response_format,
+        tool_grammar). ``tools`` are rendered into the system turn and parse the reply's tool calls; the reply
+        starts in reasoning when ``enable_thinking``. Holds a slot only while it runs, as :meth:`generate`."""
         ids, marks = render_turn(self, messages, tools, enable_thinking)
-        return self._oneshot(prepare(self, ids, checkpoint_at=marks, **kw))
+        return self._oneshot(prepare(self, ids, checkpoint_at=marks, tools=tools, reasoning=enable_thinking, **kw))
 
     def _oneshot(self, job: tuple) -> Generation:
         """A Generation of the checked ``job`` (``host.session.prepare``) in a session opened when it starts and
