@@ -28,6 +28,7 @@ mask yet.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -232,6 +233,7 @@ class GrammarCache:
                 what = {"json_schema": "JSON schema", "json_object": "JSON schema", "regex": "regular expression",
                         "tool_call": "tool list (a parameters schema)"}[spec.kind]
                 msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                msg = re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", msg)  # xgrammar's "[time] file.cc:line: " prefix
                 raise RequestError(f"{spec.param}: xgrammar rejects the {what}: {msg[:300]}", spec.param) from None
             ms = (time.perf_counter() - t0) * 1e3
             self._compiled[spec.key] = (cg, ms)
