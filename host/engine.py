@@ -140,20 +140,27 @@ class Engine:
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
                     enable_thinking: bool = True) -> list[int]:
         """Prompt ids of a conversation through the checkpoint's chat template (generation prompt added).
-        Raises EmptyPrompt for no messages, InvalidArgument for a malformed conversation."""
+        Control-token text in the messages or tools (``<|im_end|>``, ``</tool_response>``...) is encoded as
+        ordinary text, never as the control id (``host.prompt_text``). Raises EmptyPrompt for no messages,
+        InvalidArgument for a malformed conversation (RequestError, param ``messages`` / ``tools``, for text
+        holding the encoder's reserved sentinel characters)."""
         if not isinstance(messages, (list, tuple)):
             raise InvalidArgument(f"chat: messages must be a list of {{'role': ..., 'content': ...}} dicts, got "
                                   f"{type(messages).__name__} (for one user turn: [{{'role': 'user', 'content': text}}])")
         if not messages:
             raise EmptyPrompt("chat: messages is empty; expected a list of {'role': ..., 'content': ...}")
+        from host.prompt_text import encode_prompt, shield
+
+        messages, tools = shield(list(messages), tools)
         try:
-            text = self.template.render(list(messages), tools=tools, add_generation_prompt=True,
+            text = self.template.render(messages, tools=tools, add_generation_prompt=True,
                                         enable_thinking=enable_thinking)
         except EngineError:
             raise
         except Exception as e:  # the template layer names the message at fault
             raise InvalidArgument(f"chat: cannot render the conversation: {e}") from e
-        return self.encode(text, "chat")
+        check_text(text, "chat")
+        return encode_prompt(self.tokenizer, text)
 
     def encode(self, text: str, what: str = "prompt") -> list[int]:
         """Token ids of ``text`` (no special-token parsing beyond the tokenizer's own). Raises InvalidArgument when

@@ -51,7 +51,8 @@ def _xgr():
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """What constrains a reply: ``kind`` (``json_schema`` | ``json_object`` | ``regex`` | ``tool_call``), the
+    """What constrains a reply: ``kind`` (``json_schema`` | ``json_object`` | ``regex`` | ``structural_tag`` |
+    ``tool_call``), the
     structural tag as a dict (``tag``) and its canonical JSON (``key``, the cache key). ``param``: the request
     parameter it came from (named in errors)."""
 
@@ -77,7 +78,9 @@ def response_format_spec(response_format, reasoning: bool) -> GrammarSpec | None
 
     Accepted: ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"schema": {...}}}`` (a bare
     ``{"schema": ...}``-less dict under ``json_schema`` is taken as the schema itself), ``{"type": "regex",
-    "pattern": "..."}``. Raises RequestError(param="response_format") for anything else."""
+    "pattern": "..."}``, ``{"type": "structural_tag", "format": F}`` (F: xgrammar's structural-tag format JSON;
+    ``token`` elements by id, or by marker text ``<tool_call>``, ``</tool_call>``, ``<think>``, ``</think>``).
+    Raises RequestError(param="response_format") for anything else."""
     if response_format is None:
         return None
     p = "response_format"
@@ -100,8 +103,14 @@ def response_format_spec(response_format, reasoning: bool) -> GrammarSpec | None
         if not isinstance(pat, str) or not pat:
             raise RequestError(f"{p}.pattern: expected a non-empty regular expression string, got {pat!r:.80}", p)
         fmt, kind = {"type": "regex", "pattern": pat}, "regex"
+    elif t == "structural_tag":
+        fmt = response_format.get("format")
+        if not isinstance(fmt, dict):
+            raise RequestError(f"{p}.format: expected an xgrammar structural-tag format object, got {fmt!r:.80}", p)
+        fmt, kind = _marker_ids(fmt), "structural_tag"
     else:
-        raise RequestError(f"{p}.type: expected json_object, json_schema, regex or text, got {t!r}", p)
+        raise RequestError(f"{p}.type: expected json_object, json_schema, regex, structural_tag or text, got {t!r}",
+                           p)
     body = {"type": "sequence", "elements": [_reasoning_prefix(), fmt]} if reasoning else fmt
     return GrammarSpec(kind, {"type": "structural_tag", "format": body}, p)
 
@@ -177,7 +186,7 @@ def _marker_ids(o):
         out = {}
         for k, v in o.items():
             if k == "token" and isinstance(v, str):
-                out[k] = _MARKER_TEXT[v]
+                out[k] = _MARKER_TEXT.get(v, v)
             elif k in ("exclude_tokens", "trigger_tokens"):
                 out[k] = [_MARKER_TEXT.get(x, x) if isinstance(x, str) else x for x in v]
             else:
@@ -231,7 +240,7 @@ class GrammarCache:
                 cg = comp.compile_structural_tag(spec.key)
             except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own types
                 what = {"json_schema": "JSON schema", "json_object": "JSON schema", "regex": "regular expression",
-                        "tool_call": "tool list (a parameters schema)"}[spec.kind]
+                        "structural_tag": "structural tag", "tool_call": "tool list (a parameters schema)"}[spec.kind]
                 msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 msg = re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", msg)  # xgrammar's "[time] file.cc:line: " prefix
                 raise RequestError(f"{spec.param}: xgrammar rejects the {what}: {msg[:300]}", spec.param) from None
