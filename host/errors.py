@@ -49,6 +49,18 @@ class InvalidArgument(EngineError):
     exit_code = 2
 
 
+class RequestError(InvalidArgument):
+    """A request parameter of the agent interface that cannot be served, raised before any work with the session
+    intact: ``param`` names it (``tools``, ``tool_choice``, ``response_format``, ``--tools``, ...). Raised for a
+    tool list that is not a list of functions (or, on the CLI, a file that is not valid JSON), a ``tool_choice``
+    naming a function the tools do not have, a ``response_format`` of an unknown type, a JSON schema, regex or
+    tool schema that xgrammar rejects, and control-token sentinels in message text (``host.prompt_text``)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 class ModelLoadError(EngineError):
     """A model directory or preset that cannot be opened or fails validation (wraps the loader's error)."""
 

@@ -186,12 +186,19 @@ class Sampler:
         self.seed = params.seed if (params.seed is not None or params.greedy) else secrets.randbits(63)
         self.rng = np.random.Generator(np.random.PCG64(self.seed))
 
-    def choose(self, out) -> int:
+    def choose(self, out, allowed: np.ndarray | None = None) -> int:
         """Next token for a step's output ``out`` (a ``StepOutput``): the device's greedy token when decoding is
         greedy and the executor chose one; a draw on the device when the executor offers one
         (``out.sample_on_device``, the same rules and the same draw u as the host's); else the host's choice from
-        ``out.logits``. Raises ValueError when the output holds neither logits nor a token."""
+        ``out.logits``. ``allowed``: a grammar's bool [V] mask (``host.grammar.Constraint.allowed``); when given,
+        the choice is always the host's, from ``out.logits`` with every other id at -inf (on a GPU executor that
+        fetches the logits row from the device). Raises ValueError when the output holds neither logits nor a
+        token, or the mask admits no id."""
         p = self.params
+        if allowed is not None:
+            if out.logits is None:
+                raise ValueError("a grammar needs the step's logits, and the step returned none")
+            return self(out.logits, allowed)
         if p.greedy and getattr(out, "token", None) is not None:
             return int(out.token)
         dev = getattr(out, "sample_on_device", None)
@@ -201,11 +208,17 @@ class Sampler:
             raise ValueError("the step returned neither logits nor a token")
         return self(out.logits)
 
-    def __call__(self, logits: np.ndarray) -> int:
-        """Next token id for ``logits`` [V] (bf16 or fp32); never a padding id."""
+    def __call__(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> int:
+        """Next token id for ``logits`` [V] (bf16 or fp32); never a padding id; with ``allowed`` (bool [V]) never
+        an id it excludes (ValueError when it admits none)."""
         if logits.ndim != 1:
             raise ValueError(f"Sampler: expected logits of shape [V], got {logits.shape}")
         x = mask_padding(logits)
+        if allowed is not None:
+            if allowed.shape != x.shape or not allowed[:FIRST_PADDING_ID].any():
+                raise ValueError(f"Sampler: the grammar mask (shape {allowed.shape}) admits no id of the "
+                                 f"{x.shape[0]} logits")
+            x[~allowed] = -np.inf
         p = self.params
         if p.greedy:
             tok = int(ops.argmax(x))

@@ -21,6 +21,7 @@ import numpy as np
 from host.errors import EmptyPrompt, EngineError, GenerationInterrupted, InvalidArgument, InvalidTokenId, PromptTooLong
 from host.executors import Executor, StepOutput
 from host.generation import Delta, Generation, GenerationResult, Timings
+from host.reply import ReplyPlan, plan_reply
 from host.sampling import Sampler, SamplingParams, check_generation_args, token_logprobs
 from loader.config import FIRST_PADDING_ID, IM_START_ID
 
@@ -106,10 +107,13 @@ def session_capacity(engine) -> int:
 def prepare(engine, prompt_ids: Sequence[int], *, max_new_tokens: int | None = None, temperature: float = 0.0,
             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
             stop: Sequence[str] | None = (), stop_ids: Sequence[int] | None = None,
-            checkpoint_at: Sequence[int] = (), min_p: float | None = None, logprobs: int | None = None) -> tuple:
+            checkpoint_at: Sequence[int] = (), tools: list | None = None, tool_choice=None,
+            response_format: dict | None = None, reasoning: bool = False, tool_grammar: bool = True,
+            min_p: float | None = None, logprobs: int | None = None) -> tuple:
     """Every check of ``Session.generate`` that needs no slot (its arguments and raises, the session's own state
     aside), done before any work; returns the arguments of ``Session._loop`` after the Generation. Shared with the
-    one-shot ``Engine.generate`` / ``chat``, which take a slot only when their Generation starts."""
+    one-shot ``Engine.generate`` / ``chat``, which take a slot only when their Generation starts. The agent
+    arguments (``tools`` … ``tool_grammar``) go to ``host.reply.plan_reply``, which compiles their grammar."""
     cfg = engine.cfg
     prompt = validate_ids(prompt_ids, cfg.vocab_size)
     cap = session_capacity(engine)
@@ -133,7 +137,9 @@ def prepare(engine, prompt_ids: Sequence[int], *, max_new_tokens: int | None = N
                               f"alternatives reported per token; None = no log-probabilities), got {logprobs!r}")
     params = SamplingParams(temperature, top_k, top_p, seed, min_p)  # the shared check last: it may warn
     max_new = check_generation_args(params, max_new_tokens, engine.executor.capacity, cfg.max_position_embeddings)
-    return (prompt, max_new, list(stop), stop_set, Sampler(params), [int(m) for m in checkpoint_at],
+    plan = plan_reply(engine, tools=tools, tool_choice=tool_choice, response_format=response_format,
+                      reasoning=reasoning, tool_grammar=tool_grammar)
+    return (prompt, max_new, list(stop), stop_set, Sampler(params), [int(m) for m in checkpoint_at], plan,
             None if logprobs is None else int(logprobs))
 
 
@@ -255,7 +261,9 @@ class Session:
     def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int | None = None, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  stop: Sequence[str] = (), stop_ids: Sequence[int] | None = None,
-                 checkpoint_at: Sequence[int] = (), min_p: float | None = None,
+                 checkpoint_at: Sequence[int] = (), tools: list | None = None, tool_choice=None,
+                 response_format: dict | None = None, reasoning: bool = False,
+                 tool_grammar: bool = True, min_p: float | None = None,
                  logprobs: int | None = None) -> Generation:
         """Continue the conversation whose whole token stream is ``prompt_ids``; returns a streaming Generation.
 
@@ -270,12 +278,21 @@ class Session:
         (id, log-probability) pairs) under the model's raw distribution (``host.sampling.token_logprobs``).
         ``checkpoint_at``: extra prompt positions to snapshot (``chat`` passes the start of the generation
         prompt, where a re-rendered history usually diverges).
+        Agent arguments (docs/agent.md): ``tools`` (OpenAI tool list: the reply's tool calls are parsed by token id
+        and typed by their schemas), ``tool_choice`` (``auto`` | ``required`` | ``none`` | a function name),
+        ``response_format`` (``{"type": "json_object"}`` | ``{"type": "json_schema", "json_schema": {"schema":
+        S}}`` | ``{"type": "regex", "pattern": P}``), ``reasoning`` (the prompt ends inside a reasoning block:
+        ``chat`` passes ``enable_thinking``), ``tool_grammar`` (constrain tool calls with xgrammar; default True).
+        A grammar masks every step's logits, greedy included (``host.grammar``); the result carries
+        ``reasoning_content``, ``content``, ``tool_calls``, ``invalid_tool_calls`` (GenerationResult).
 
         Raises, before any work: EmptyPrompt (no ids); InvalidTokenId (an id outside the vocabulary or a padding
         id, in the prompt or ``stop_ids``); PromptTooLong (the prompt leaves no room in ``capacity``
         for a reply: it has ``capacity`` tokens or more, refused as vLLM does);
         InvalidArgument (prompt_ids not a sequence of ints, max_new_tokens not an integer >= 1 or not below
         ``capacity`` or the model's context, a sampling parameter out of range, an empty stop string);
+        RequestError, an InvalidArgument with ``.param`` (tools not a tool list, an unknown tool_choice or function
+        name, a response_format xgrammar rejects; ``host.reply.plan_reply``);
         EngineError (this session is closed or already generating). Warns IgnoredArgumentWarning when decoding is
         greedy and top_k, top_p or seed is given (they are ignored; ``host.sampling.check_generation_args``).
         While running: GenerationInterrupted on KeyboardInterrupt (the session is rolled back to a checkpoint and
@@ -290,7 +307,8 @@ class Session:
             raise EngineError("this session is already generating: finish or close() its Generation first")
         job = prepare(self.engine, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                       top_p=top_p, seed=seed, stop=stop, stop_ids=stop_ids, checkpoint_at=checkpoint_at,
-                      min_p=min_p, logprobs=logprobs)
+                      tools=tools, tool_choice=tool_choice, response_format=response_format, reasoning=reasoning,
+                      tool_grammar=tool_grammar, min_p=min_p, logprobs=logprobs)
         g = Generation(lambda g: self._loop(g, *job))
         self._pending = weakref.ref(g)
         return g
@@ -301,14 +319,16 @@ class Session:
         at the generation prompt's ``<|im_start|>`` is kept: the next turn's render drops this turn's reasoning
         and re-tokenises its reply, so it diverges there and re-runs from that point, not from scratch."""
         ids, marks = render_turn(self.engine, messages, tools, enable_thinking)
-        return self.generate(ids, checkpoint_at=marks, **kw)
+        return self.generate(ids, checkpoint_at=marks, tools=tools, reasoning=enable_thinking, **kw)
 
     def _loop(self, g: Generation, prompt: list[int], max_new: int, stops: list[str], stop_set: set[int],
-              sampler: Sampler, marks: list[int], n_logprobs: int | None = None) -> Iterator[Delta]:
+              sampler: Sampler, marks: list[int], plan: ReplyPlan,
+              n_logprobs: int | None = None) -> Iterator[Delta]:
         ex = self.engine.executor
         t0 = time.perf_counter()
         tm = Timings(prompt_tokens=len(prompt))
         detok, match = self.engine.new_detok(), _StopMatcher(stops)
+        reply, gram = plan.parser(self.engine.tokenizer, stops), plan.constraint(self.engine.cfg.vocab_size)
         cfg_eos = set(self.engine.cfg.eos_token_ids)
         out_ids: list[int] = []
         paused = 0.0
@@ -320,13 +340,26 @@ class Session:
             while finish is None:
                 if out.token is None and out.logits is None:
                     raise EngineError(f"{ex.name} executor returned neither logits nor a token")
-                tok = sampler.choose(out)
+                allowed = gram.allowed() if gram is not None else None
+                if allowed is not None and not allowed.any():  # the grammar admits nothing: end the turn here
+                    finish, why = "grammar_dead_end", "grammar_dead_end"
+                    if not out_ids:
+                        t_first = time.perf_counter()
+                        tm.ttft_ms = (t_first - t0) * 1e3
+                    text, _ = match.feed(detok.flush())
+                    text += match.flush()
+                    yield self._delta(text, [], finish, None, reply.finish())
+                    break
+                tok = sampler.choose(out, allowed)
                 lps = None if n_logprobs is None else [(tok, *token_logprobs(out.logits, tok, n_logprobs))]
                 if not out_ids:
                     t_first, paused = time.perf_counter(), 0.0
                     tm.ttft_ms = (t_first - t0) * 1e3
                 out_ids.append(tok)
-                if tok in stop_set:
+                if gram is not None and not gram.accept(tok):  # the mask admitted it: a bug, not bad input
+                    raise EngineError(f"grammar refused token {tok}, which its own mask admitted")
+                ended = gram is not None and gram.terminated
+                if tok in stop_set or (ended and tok in cfg_eos):
                     finish, piece = "stop", detok.flush()
                     why, stop_reason = ("eos", None) if tok in cfg_eos else ("stop_token", tok)
                 else:
@@ -342,8 +375,13 @@ class Session:
                     finish, why, stop_reason = "stop", "stop_string", hit
                 elif finish:
                     text += match.flush()
+                pieces = reply.feed(tok)
+                if finish:
+                    pieces = _merge(pieces, reply.finish())
+                    if finish == "stop" and why == "eos" and reply.ends_with_calls:
+                        finish = "tool_calls"
                 ty = time.perf_counter()
-                yield Delta(text, [tok], finish, stop_reason, lps)  # hand the text out before the next step computes
+                yield self._delta(text, [tok], finish, stop_reason, pieces, lps)  # out before the next step
                 paused += time.perf_counter() - ty  # time the consumer held the stream is not decode time
                 if finish is None:
                     out = self._ex().step(tok)  # re-select the slot: another session may have run meanwhile
@@ -372,4 +410,20 @@ class Session:
             tm.decode_tokens_per_s = (len(out_ids) - 1) / busy
         tm.tokens_per_step = len(out_ids) / (1 + tm.steps)
         g._result = GenerationResult(match.text, out_ids, finish, stop_reason, why, tm, ex.name, ex.detail,
-                                     sampler.seed, asdict(sampler.params), note, prompt)
+                                     sampler.seed, asdict(sampler.params), note, prompt,
+                                     reply.reasoning_content, reply.content, reply.tool_calls,
+                                     reply.invalid_tool_calls, reply.tool_call_warnings,
+                                     gram.report() if gram is not None else None)
+
+    @staticmethod
+    def _delta(text: str, ids: list[int], finish, stop_reason, pieces, logprobs=None) -> Delta:
+        return Delta(text, ids, finish, stop_reason, pieces.reasoning, pieces.content, pieces.tool_calls, logprobs)
+
+
+def _merge(a, b):
+    """Two ``host.reply.ReplyPieces`` as one (the last id's pieces and the parser's final ones)."""
+    a.reasoning += b.reasoning
+    a.content += b.content
+    a.tool_calls += b.tool_calls
+    a.invalid += b.invalid
+    return a
