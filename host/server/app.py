@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from host.errors import EngineError, PromptTooLong
+from host.errors import EngineError, PromptTooLong, RequestError
 from host.limits import SAMPLING_EPS
 from host.server.output import ChatOutput, chat_logprobs, completion_logprobs
 from host.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -50,6 +50,8 @@ def generation_defaults(model_dir) -> dict:
 def engine_error(e: EngineError, prompt_field: str = "messages") -> APIError:
     """An engine error as an API error: bad input is a 400 naming the field, anything else a 500."""
     msg = str(e)
+    if isinstance(e, RequestError):
+        return APIError(400, msg, param=e.param)
     if isinstance(e, PromptTooLong):
         return APIError(400, msg, param=prompt_field, code="context_length_exceeded")
     if e.exit_code in (2, 3, 4, 5):  # InvalidArgument, EmptyPrompt, PromptTooLong, InvalidTokenId
@@ -167,7 +169,7 @@ def _lp_entries(d, stop_ids: set[int]) -> list:
     """Delta.logprobs without the stop token that ended the generation (its text is not in the output)."""
     if not d.logprobs:
         return []
-    return [e for e in d.logprobs if not (d.finish_reason == "stop" and e[0] in stop_ids)]
+    return [e for e in d.logprobs if not (d.finish_reason in ("stop", "tool_calls") and e[0] in stop_ids)]
 
 
 def create_app(engine, served_model_name: str = "qwen3.5-tiny-trained", api_key: str | None = None,
@@ -246,35 +248,28 @@ def create_app(engine, served_model_name: str = "qwen3.5-tiny-trained", api_key:
         if not isinstance(thinking, bool):
             raise APIError(400, "chat_template_kwargs.enable_thinking: expected a boolean",
                            param="chat_template_kwargs.enable_thinking")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise APIError(400, f"response_format: {req.response_format.type!r} is not supported yet",
-                           param="response_format")
-        choice = req.tool_choice
-        if choice is not None and choice not in ("none", "auto"):
-            raise APIError(400, f"tool_choice: {choice!r} is not supported yet (only 'auto' and 'none')",
-                           param="tool_choice")
-        if choice not in (None, "none") and not req.tools:
-            raise APIError(400, "tool_choice: given without tools", param="tool_choice")
         try:
             ids, marks = await run_in_threadpool(render_turn, engine, req.messages, req.tools, thinking)
         except EngineError as e:
             raise engine_error(e, "messages") from None
         n_lp = (req.top_logprobs or 0) if req.logprobs else None
         kw = srv.gen_kwargs(req, len(ids), req.max_completion_tokens or req.max_tokens, n_lp)
-        job = srv.submit(ids, dict(kw, checkpoint_at=marks), "messages")
-        out = ChatOutput(engine.tokenizer, req.tools, thinking, kw["stop"], parse_tools=choice != "none")
+        kw.update(checkpoint_at=marks, tools=req.tools, tool_choice=req.tool_choice,
+                  response_format=req.response_format, reasoning=thinking)
+        job = srv.submit(ids, kw, "messages")
+        out = ChatOutput(thinking)
         stop_ids = set(engine.cfg.eos_token_ids)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def finish_reason(r) -> str:
-            return "tool_calls" if out.tool_calls and r.finish_reason == "stop" else r.finish_reason
+        def finish_reason(r) -> str:  # the engine's grammar_dead_end (the grammar admits nothing more) is a stop
+            return "stop" if r.finish_reason == "grammar_dead_end" else r.finish_reason
 
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(_chat_stream(srv, job, out, rid, created, len(ids), stop_ids, n_lp,
                                                   finish_reason, include_usage), media_type="text/event-stream")
         lps: list = []
-        r = await srv.collect(job, request, lambda d: (out.feed(d.ids), lps.extend(_lp_entries(d, stop_ids))))
+        r = await srv.collect(job, request, lambda d: (out.feed(d), lps.extend(_lp_entries(d, stop_ids))))
         out.finish()
         choice_obj = {"index": 0, "message": out.message(),
                       "logprobs": {"content": chat_logprobs(engine.tokenizer, lps)} if n_lp is not None else None,
@@ -348,7 +343,7 @@ async def _chat_stream(srv: Server, job: Job, out: ChatOutput, rid: str, created
     tok = srv.engine.tokenizer
     async for kind, item in _events(job):
         if kind == "delta":
-            delta, lps = out.feed(item.ids), _lp_entries(item, stop_ids)
+            delta, lps = out.feed(item), _lp_entries(item, stop_ids)
             if delta or lps:
                 yield chunk(delta, lps={"content": chat_logprobs(tok, lps)} if n_lp is not None else None)
         elif kind == "done":

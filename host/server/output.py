@@ -1,49 +1,26 @@
-"""Generated ids -> the OpenAI chat message: ``reasoning_content``, ``content`` and ``tool_calls``, streamed.
+"""A generation's parsed deltas -> OpenAI chat deltas and message; log-probabilities in OpenAI's shapes.
 
-:class:`ChatOutput` feeds the ids of each Delta to ``loader.toolcall.StreamParser`` (reasoning ends at id 248069
-``</think>``; a call is the ``<tool_call>`` ... id 248059 grammar) and turns its events into OpenAI delta dicts.
-The non-streamed message is the same deltas joined, so both answers always agree. Reasoning loses the newline
-that frames it in the template, content its leading newlines (the template's ``</think>\\n\\n``). Stop strings
-are matched on each channel's text (the session stops the generation on the same strings in the whole text).
-Without tools (or with ``tool_choice: "none"``) a call the model writes anyway stays in the content as text.
+The engine parses the reply by token id (``host.reply``: ``Delta.reasoning_content`` / ``content`` /
+``tool_calls``, stop strings already cut from the content). :class:`ChatOutput` only presents them: reasoning
+loses the newlines that frame it in the template (``<think>\n`` ... ``\n</think>``), content its leading
+newlines (the template's ``</think>\n\n``), and the non-streamed message is the streamed deltas joined, so both
+answers agree.
 """
 from __future__ import annotations
 
-import json
-import uuid
 
-from host.session import _StopMatcher
-from loader.toolcall import StreamParser
+class _Trim:
+    """Drops a channel's leading newlines; with ``hold_tail`` holds trailing ones until more text comes (and drops
+    them at the end)."""
 
-
-def tool_call_text(call) -> str:
-    """A parsed call written back in the model's format (for output that is not parsed as tool calls)."""
-    params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
-                     for k, v in call.arguments.items())
-    return f"<tool_call>\n<function={call.name}>\n{params}</function>\n</tool_call>"
-
-
-class _Channel:
-    """One text channel: stop strings cut it; leading newlines dropped; trailing ones held (``hold_tail``)."""
-
-    def __init__(self, stops: list[str], hold_tail: bool):
-        self.match = _StopMatcher(stops) if stops else None
-        self.hold_tail, self.started, self.held, self.hit = hold_tail, False, "", False
+    def __init__(self, hold_tail: bool):
+        self.hold_tail, self.started, self.held = hold_tail, False, ""
 
     def feed(self, t: str, final: bool = False) -> str:
-        if self.hit:
-            return ""
-        if self.match is not None:
-            t, stop = self.match.feed(t)
-            if stop is not None:
-                self.hit, final = True, True
-            elif final:
-                t += self.match.flush()
         if not self.started:
             t = t.lstrip("\n")
             self.started = bool(t)
-        t = self.held + t
-        self.held = ""
+        t, self.held = self.held + t, ""
         if self.hold_tail:
             body = t.rstrip("\n")
             self.held, t = ("" if final else t[len(body):]), body
@@ -51,57 +28,34 @@ class _Channel:
 
 
 class ChatOutput:
-    """Accumulates one chat answer; ``feed(ids)`` / ``finish()`` return OpenAI ``delta`` dicts (possibly empty)."""
+    """Accumulates one chat answer; ``feed(delta)`` / ``finish()`` return OpenAI ``delta`` dicts (maybe empty)."""
 
-    def __init__(self, tokenizer, tools: list | None, reasoning: bool, stops: list[str], parse_tools: bool):
-        self.parser = StreamParser(tokenizer, tools, reasoning=reasoning)
-        self.parse_tools = parse_tools and bool(tools)
-        self.reasoning_ch = _Channel(stops, hold_tail=True)
-        self.content_ch = _Channel(stops, hold_tail=False)
+    def __init__(self, reasoning: bool):
+        self.saw_reasoning = reasoning
+        self._r, self._c = _Trim(hold_tail=True), _Trim(hold_tail=False)
         self.reasoning, self.content = "", ""
         self.tool_calls: list[dict] = []
-        self.saw_reasoning = reasoning
 
-    def feed(self, ids: list[int]) -> dict:
-        """The delta for newly generated ``ids``."""
-        return self._delta(self.parser.feed(ids), final=False)
+    def feed(self, d) -> dict:
+        """The OpenAI delta of one engine Delta."""
+        return self._out(self._r.feed(d.reasoning_content or "", final=bool(d.content or d.tool_calls)),
+                         self._c.feed(d.content or ""), d.tool_calls)
 
     def finish(self) -> dict:
-        """The delta of whatever the parser and channels held back at the end."""
-        return self._delta(self.parser.finish(), final=True)
+        """Whatever was held back at the end."""
+        return self._out(self._r.feed("", final=True), self._c.feed("", final=True), [])
 
-    def _delta(self, events, final: bool) -> dict:
-        r, c, calls = [], [], []
-        for e in events:
-            if e.kind == "reasoning":
-                r.append(self.reasoning_ch.feed(e.text))
-            elif e.kind == "reasoning_end":
-                r.append(self.reasoning_ch.feed("", final=True))
-            elif e.kind == "content":
-                c.append(self.content_ch.feed(e.text))
-            elif e.kind == "call_end":
-                if self.parse_tools and not self.content_ch.hit:
-                    tc = {"index": len(self.tool_calls), "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                          "function": {"name": e.call.name,
-                                       "arguments": json.dumps(e.call.arguments, ensure_ascii=False)}}
-                    self.tool_calls.append(tc)
-                    calls.append(tc)
-                else:
-                    c.append(self.content_ch.feed(tool_call_text(e.call)))
-            elif e.kind == "call_invalid":
-                c.append(self.content_ch.feed(e.invalid.raw))
-        if final:
-            r.append(self.reasoning_ch.feed("", final=True))
-            c.append(self.content_ch.feed("", final=True))
+    def _out(self, r: str, c: str, calls: list) -> dict:
         delta: dict = {}
-        if "".join(r):
-            delta["reasoning_content"] = "".join(r)
-            self.reasoning += delta["reasoning_content"]
-        if "".join(c):
-            delta["content"] = "".join(c)
-            self.content += delta["content"]
+        if r:
+            delta["reasoning_content"] = r
+            self.reasoning += r
+        if c:
+            delta["content"] = c
+            self.content += c
         if calls:
             delta["tool_calls"] = calls
+            self.tool_calls += calls
         return delta
 
     def message(self) -> dict:

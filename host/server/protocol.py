@@ -6,7 +6,7 @@ Everything a model refuses becomes a 400 ``invalid_request_error`` naming the fi
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -34,18 +34,6 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(_Strict):
-    name: str = "response"
-    description: str | None = None
-    schema_: dict | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
 class _Sampling(_Strict):
     """Fields the chat and completion requests share."""
 
@@ -70,8 +58,8 @@ class ChatCompletionRequest(_Sampling):
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
-    response_format: ResponseFormat | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None       # checked by host.grammar.normalize_tool_choice
+    response_format: dict[str, Any] | None = None               # checked by host.grammar.response_format_spec
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
