@@ -46,6 +46,10 @@ def serve_app(app, sock: socket.socket, *, drain_timeout: float | None = 60.0, l
             app.state.server.draining = True  # /health says 503 and new requests are refused while draining
             super().handle_exit(sig, frame)
 
+        async def shutdown(self, sockets=None):
+            await super().shutdown(sockets)
+            self._captured_signals.clear()  # drained: exit 0 rather than re-raise the signal (uvicorn's default)
+
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_timeout, access_log=False)
     server = _Server(config)
     app.state.uvicorn = server

@@ -29,7 +29,8 @@ from host.server.worker import Job, QueueFull, Worker
 from host.session import prepare, render_turn, session_capacity
 
 log = logging.getLogger("qwen-mk.serve")
-POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
+POLL_S = 0.25
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}  # how often a non-streamed request checks that its client is still there
 
 # the first word of an engine message ("temperature: ...") -> the request field it is about
 _PARAM = {"max_new_tokens": "max_tokens", "chat": "messages", "prompt": "prompt", "logprobs": "top_logprobs",
@@ -196,7 +197,11 @@ def create_app(engine, served_model_name: str = "qwen3.5-tiny-trained", api_key:
     async def _invalid(_req, e: RequestValidationError):
         errs = e.errors()
         first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        loc = []
+        for x in first.get("loc", ())[1:] if first.get("loc", ("",))[0] == "body" else first.get("loc", ()):
+            if isinstance(x, str) and ("[" in x or "-" in x or x in _TYPE_TAGS):
+                break  # pydantic names the member of a union it tried: not a field
+            loc.append(str(x))
         param = ".".join(loc) or None
         if first.get("type") == "json_invalid":
             msg, param = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
