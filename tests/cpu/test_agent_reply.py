@@ -158,3 +158,15 @@ def test_reply_parser_equals_one_shot_parse_per_id(text_layer, reasoning):
         [(c.name, c.arguments) for c in want.tool_calls]
     assert [(c["index"], c["reason"], c["raw"]) for c in p.invalid_tool_calls] == \
         [(c.index, c.reason, c.raw) for c in want.invalid_calls]
+
+
+def test_custom_stop_ids_past_im_end(text_layer):
+    tok, _ = text_layer
+    script = _reply(tok, "t\n", [THINK_END_ID], "\n\nok", [IM_END_ID], "more")
+    eng = hash_engine(text_layer, capacity=1024)
+    drain(eng.chat(MSGS, tools=TOOLS, tool_grammar=False, max_new_tokens=1))
+    n_prefill = sum(c[0] == "prefill" for c in eng.executor.calls)
+    eng.executor.script = [0] * (n_prefill - 1) + script
+    _, r = drain(eng.chat(MSGS, tools=TOOLS, tool_grammar=False, max_new_tokens=len(script), stop_ids=[5]))
+    assert r.ids == script and r.finish_reason == "length"
+    assert r.content == "\n\nok"  # the parse ended at <|im_end|>
