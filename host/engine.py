@@ -151,6 +151,9 @@ class Engine:
             raise EmptyPrompt("chat: messages is empty; expected a list of {'role': ..., 'content': ...}")
         from host.prompt_text import encode_prompt, shield
 
+        if tools is not None:
+            from host.grammar import tool_names
+            tool_names(tools)  # RequestError(param="tools") for anything but a list of named functions
         messages, tools = shield(list(messages), tools)
         try:
             text = self.template.render(messages, tools=tools, add_generation_prompt=True,

@@ -9,6 +9,9 @@ kept in a :class:`GrammarCache` (one per engine, keyed by the tag's canonical JS
   (``get_model_structural_tag``: ``<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>…``, each
   call's parameters by its JSON schema in the ``qwen_xml`` style, markers matched as token ids).
 
+JSON whitespace runs are capped at MAX_WHITESPACE (16) characters: a greedy small model otherwise pads a value
+with spaces until max_new_tokens.
+
 With thinking on (the prompt ends in ``<think>\\n``) the reply may reason first: the tag starts with any tokens up to
 id 248069 ``</think>`` then ``\\n\\n`` (the reasoning prefix), then the format.
 
@@ -42,10 +45,17 @@ from loader.tokenizer import FIRST_ADDED_ID
 MARKER_IDS = (TOOL_CALL_ID, TOOL_CALL_END_ID, THINK_ID, THINK_END_ID)
 MODEL_FORMAT = "qwen_3_5"   # xgrammar's built-in structural tag of this model's tool-call syntax
 TOOL_CHOICES = ("auto", "required", "none")
+MAX_WHITESPACE = 16  # longest run of JSON whitespace admitted (xgrammar max_whitespace_cnt): greedy pads otherwise
 
 
 def _xgr():
-    import xgrammar  # deferred: ~0.3 s, and only constrained requests need it
+    """The xgrammar module (imported on the first constrained request: it imports torch). Raises RequestError
+    (param ``response_format``) when the ``agent`` extra is not installed."""
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise RequestError(f"response_format / tool_choice: grammar-constrained decoding needs xgrammar, the "
+                           f"'agent' extra (pip install -e '.[agent]'): {e}", "response_format") from None
     return xgrammar
 
 
@@ -91,13 +101,14 @@ def response_format_spec(response_format, reasoning: bool) -> GrammarSpec | None
     if t == "text":
         return None
     if t == "json_object":
-        fmt, kind = {"type": "json_schema", "json_schema": {"type": "object"}}, "json_object"
+        fmt, kind = {"type": "json_schema", "json_schema": {"type": "object"},
+                     "max_whitespace_cnt": MAX_WHITESPACE}, "json_object"
     elif t == "json_schema":
         js = response_format.get("json_schema")
         schema = js.get("schema", js) if isinstance(js, dict) else js
         if not isinstance(schema, (dict, bool)):
             raise RequestError(f"{p}.json_schema.schema: expected a JSON schema object, got {schema!r:.80}", p)
-        fmt, kind = {"type": "json_schema", "json_schema": schema}, "json_schema"
+        fmt, kind = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE}, "json_schema"
     elif t == "regex":
         pat = response_format.get("pattern")
         if not isinstance(pat, str) or not pat:
@@ -169,7 +180,8 @@ def tool_call_spec(tools, tool_choice, reasoning: bool) -> GrammarSpec | None:
         return None
     try:
         st = _xgr().get_model_structural_tag(MODEL_FORMAT, tools=list(tools), tool_choice=tool_choice,
-                                             reasoning="enabled" if reasoning else "disabled", token_markers=True)
+                                             reasoning="enabled" if reasoning else "disabled", token_markers=True,
+                                             max_whitespace_cnt=MAX_WHITESPACE)
     except (ValueError, TypeError) as e:
         raise RequestError(f"tools: xgrammar cannot build the tool-call grammar: {e}", "tools") from None
     tag = json.loads(st.model_dump_json())

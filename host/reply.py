@@ -118,7 +118,10 @@ class ReplyParser:
         return bool(self.tool_calls) and not self._tail.strip() and not self._bad_after
 
     def feed(self, tok: int) -> ReplyPieces:
-        """Pieces decided by the generated id ``tok`` (a stop id ends the reply: the rest is ``finish``'s)."""
+        """Pieces decided by the generated id ``tok``. The parse ends at the first 248046 / 248044 (the format's
+        end of output), even when custom ``stop_ids`` let the generation go on: later ids decide nothing."""
+        if self._p._done:
+            return ReplyPieces()
         return self._apply(self._p.feed([int(tok)]), final=False)
 
     def finish(self) -> ReplyPieces:
