@@ -119,12 +119,13 @@ class Server:
                       min_p=req.min_p if req.min_p is not None else d.get("min_p"), seed=req.seed)
         return kw
 
-    def submit(self, prompt: list[int], kw: dict, prompt_field: str) -> Job:
-        """Check the arguments as the engine will (``host.session.prepare``), then queue the job."""
+    async def submit(self, prompt: list[int], kw: dict, prompt_field: str) -> Job:
+        """Check the arguments as the engine will (``host.session.prepare``, in a worker thread: it may compile a
+        grammar), then queue the job."""
         if self.draining:
             raise APIError(503, "the server is shutting down", type="service_unavailable", code=503)
         try:
-            prepare(self.engine, prompt, **kw)
+            await run_in_threadpool(lambda: prepare(self.engine, prompt, **kw))
         except EngineError as e:
             raise engine_error(e, prompt_field) from None
         job = Job(prompt, kw, asyncio.get_running_loop())
@@ -261,7 +262,7 @@ def create_app(engine, served_model_name: str = "qwen3.5-tiny-trained", api_key:
         kw = srv.gen_kwargs(req, len(ids), req.max_completion_tokens or req.max_tokens, n_lp)
         kw.update(checkpoint_at=marks, tools=req.tools, tool_choice=req.tool_choice,
                   response_format=req.response_format, reasoning=thinking)
-        job = srv.submit(ids, kw, "messages")
+        job = await srv.submit(ids, kw, "messages")
         out = ChatOutput(thinking)
         stop_ids = set(engine.cfg.eos_token_ids)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -301,7 +302,7 @@ def create_app(engine, served_model_name: str = "qwen3.5-tiny-trained", api_key:
         if not ids:
             raise APIError(400, "prompt: empty (nothing to condition on)", param="prompt")
         kw = srv.gen_kwargs(req, len(ids), req.max_tokens, req.logprobs)
-        job = srv.submit(ids, kw, "prompt")
+        job = await srv.submit(ids, kw, "prompt")
         echo = (p if isinstance(p, str) else engine.tokenizer.decode(ids)) if req.echo else ""
         stop_ids = set(engine.cfg.eos_token_ids)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
