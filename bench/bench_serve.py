@@ -57,6 +57,7 @@ def stream_once(client, model: str, prompt, max_tokens: int) -> dict:
 
 
 def main() -> None:
+    """Run the benchmark (module docstring) and write serve.json."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--preset", default=None)

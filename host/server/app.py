@@ -29,13 +29,13 @@ from host.server.worker import Job, QueueFull, Worker
 from host.session import prepare, render_turn, session_capacity
 
 log = logging.getLogger("qwen-mk.serve")
-POLL_S = 0.25
-_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}  # how often a non-streamed request checks that its client is still there
+POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}  # pydantic's names of union members
 
 # the first word of an engine message ("temperature: ...") -> the request field it is about
 _PARAM = {"max_new_tokens": "max_tokens", "chat": "messages", "prompt": "prompt", "logprobs": "top_logprobs",
-          "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "seed": "seed",
-          "stop": "stop"}
+          "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+          "seed": "seed", "stop": "stop"}
 
 
 def generation_defaults(model_dir) -> dict:
@@ -79,11 +79,14 @@ class Server:
 
     # ------------------------------------------------------------------ request checks
     def check_model(self, model: str | None) -> None:
+        """404 for a ``model`` other than the served name (None: any)."""
         if model is not None and model != self.name:
             raise APIError(404, f"The model `{model}` does not exist.", type="NotFoundError", param="model",
                            code="model_not_found")
 
     def check_unsupported(self, req) -> None:
+        """400 for what a batch-1 engine without penalties cannot do: n > 1, presence / frequency / repetition
+        penalties."""
         if req.n != 1:
             raise APIError(400, "n: only n=1 is supported (a batch-1 engine)", param="n")
         for f in ("presence_penalty", "frequency_penalty"):
@@ -162,6 +165,7 @@ class Server:
             job.cancel()  # a no-op once done; stops the engine work when this coroutine is cancelled
 
     def usage(self, n_prompt: int, r) -> dict:
+        """OpenAI ``usage`` of a GenerationResult, with the reused prompt tokens as ``cached_tokens``."""
         return {"prompt_tokens": n_prompt, "completion_tokens": len(r.ids),
                 "total_tokens": n_prompt + len(r.ids),
                 "prompt_tokens_details": {"cached_tokens": r.timings.reused_tokens}}

@@ -17,6 +17,7 @@ class _Trim:
         self.hold_tail, self.started, self.held = hold_tail, False, ""
 
     def feed(self, t: str, final: bool = False) -> str:
+        """The part of ``t`` to emit now (``final``: nothing more comes on this channel)."""
         if not self.started:
             t = t.lstrip("\n")
             self.started = bool(t)

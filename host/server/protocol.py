@@ -31,6 +31,8 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage and empty ``choices``."""
+
     include_usage: bool = False
 
 

@@ -43,6 +43,7 @@ class Job:
 
     @property
     def cancelled(self) -> bool:
+        """Whether ``cancel()`` was called."""
         return self._cancel.is_set()
 
     def put(self, kind: str, item) -> None:
