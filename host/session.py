@@ -168,6 +168,7 @@ class Session:
         self.ids: list[int] = []
         self.checkpoints: list[tuple[int, object]] = []
         self._last: StepOutput | None = None  # output of the last processed token (valid when ids non-empty)
+        self._outs: dict[int, StepOutput] = {}  # host-side outputs at checkpoint positions (see _checkpoint)
         self._pending = None                   # weakref to the last Generation made, until it ends
         self._ex().reset(slot)
 
@@ -207,18 +208,20 @@ class Session:
             p = 0
             ex.reset(self.slot)
         self.ids = self.ids[:p]
-        self._last = None
+        self._outs = {q: o for q, o in self._outs.items() if q <= p}
+        self._last = self._outs.get(p)
         return p
 
     def _prefill(self, new: list[int], marks: Sequence[int] = ()) -> int:
         """Run ``new`` after ``self.ids`` in pieces that start on multiples of 64 (after a first piece up to the
         next one) and are at most PREFILL_PIECE long; snapshot the state at the last multiple of 64 reached and
         at each position in ``marks`` (turn starts: a restart there is valid, though chunks are then anchored
-        off the 64 grid). Returns the number of tokens run."""
+        off the 64 grid; a mark at the end keeps the end's output too, so the same prompt again runs nothing).
+        Returns the number of tokens run."""
         ex = self._ex()
         start, end = len(self.ids), len(self.ids) + len(new)
         last_b = end // CKPT_ALIGN * CKPT_ALIGN
-        stops = sorted({m for m in marks if start < m < end} | ({last_b} if last_b > start else set()))
+        stops = sorted({m for m in marks if start < m <= end} | ({last_b} if last_b > start else set()))
         while len(self.ids) < end:
             p = len(self.ids)
             nxt = -(-p // CKPT_ALIGN) * CKPT_ALIGN if p % CKPT_ALIGN else p + PREFILL_PIECE
@@ -237,6 +240,10 @@ class Session:
             return
         self.checkpoints.append((pos, self._ex().state_snapshot()))
         self.checkpoints = self.checkpoints[-MAX_CHECKPOINTS:]
+        if type(self._last) is StepOutput:  # logits on the host (a GPU output reads device buffers reused later)
+            self._outs[pos] = self._last
+        kept = {p for p, _ in self.checkpoints}
+        self._outs = {q: o for q, o in self._outs.items() if q in kept}
 
     def _sync(self, prompt: list[int], marks: Sequence[int] = ()) -> tuple[StepOutput, int, int, str]:
         """Bring the state to ``prompt``; returns (last output, reused tokens, prefilled tokens, note)."""
@@ -244,6 +251,11 @@ class Session:
         if common == len(self.ids) == len(prompt) and self._last is not None:
             return self._last, common, 0, f"prompt equals the session's {common} tokens: nothing to run"
         note = ""
+        if common == len(prompt) and common in self._outs:  # a checkpoint at the prompt's end kept its output
+            had = len(self.ids)
+            self._rewind(common)
+            return self._last, common, 0, f"prompt is the first {common} of the session's {had} tokens: restored " \
+                                          "the checkpoint at its end, nothing to run"
         if common == len(prompt):  # prompt is a prefix of the state: need the last prompt token's output again
             common -= 1
         if common < len(self.ids):

@@ -264,7 +264,7 @@ def create_app(engine, served_model_name: str = "qwen3.5-tiny-trained", api_key:
             raise engine_error(e, "messages") from None
         n_lp = (req.top_logprobs or 0) if req.logprobs else None
         kw = srv.gen_kwargs(req, len(ids), req.max_completion_tokens or req.max_tokens, n_lp)
-        kw.update(checkpoint_at=marks, tools=req.tools, tool_choice=req.tool_choice,
+        kw.update(checkpoint_at=[*marks, len(ids)], tools=req.tools, tool_choice=req.tool_choice,
                   response_format=req.response_format, reasoning=thinking)
         job = await srv.submit(ids, kw, "messages")
         out = ChatOutput(thinking)
@@ -306,7 +306,7 @@ def create_app(engine, served_model_name: str = "qwen3.5-tiny-trained", api_key:
         if not ids:
             raise APIError(400, "prompt: empty (nothing to condition on)", param="prompt")
         kw = srv.gen_kwargs(req, len(ids), req.max_tokens, req.logprobs)
-        job = await srv.submit(ids, kw, "prompt")
+        job = await srv.submit(ids, dict(kw, checkpoint_at=[len(ids)]), "prompt")
         echo = (p if isinstance(p, str) else engine.tokenizer.decode(ids)) if req.echo else ""
         stop_ids = set(engine.cfg.eos_token_ids)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())

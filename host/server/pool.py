@@ -21,6 +21,8 @@ def usable(s: Session, prompt: list[int]) -> int:
     common = _common_prefix(s.ids, prompt)
     if common == len(s.ids) == len(prompt) and s._last is not None:
         return common
+    if common == len(prompt) and common in s._outs:  # a checkpoint at the prompt's end kept its output
+        return common
     if common == len(prompt):  # the last prompt token must run again to give its logits
         common -= 1
     if common >= len(s.ids):
