@@ -21,6 +21,7 @@ COMMANDS = {
     "chat": "chat",
     "compare": "compare",
     "bench": "bench",
+    "serve": "serve",
 }
 
 

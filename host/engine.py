@@ -46,6 +46,16 @@ class Engine:
         self.cfg, self.model_dir, self.weights = cfg, model_dir, weights
         self.tokenizer, self.template, self.executor = tokenizer, template, executor
         self._free = list(range(executor.slots))
+        self._grammars = None
+
+    @property
+    def grammars(self):
+        """The engine's ``host.grammar.GrammarCache``: every grammar compiled once per distinct schema / regex /
+        tool list, made on the first constrained request."""
+        if self._grammars is None:
+            from host.grammar import GrammarCache
+            self._grammars = GrammarCache(self.tokenizer, self.cfg.eos_token_ids, self.cfg.vocab_size)
+        return self._grammars
 
     @classmethod
     def load(cls, path_or_preset: str | Path | None = None, executor: str | None = None, *,
@@ -130,20 +140,30 @@ class Engine:
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
                     enable_thinking: bool = True) -> list[int]:
         """Prompt ids of a conversation through the checkpoint's chat template (generation prompt added).
-        Raises EmptyPrompt for no messages, InvalidArgument for a malformed conversation."""
+        Control-token text in the messages or tools (``<|im_end|>``, ``</tool_response>``...) is encoded as
+        ordinary text, never as the control id (``host.prompt_text``). Raises EmptyPrompt for no messages,
+        InvalidArgument for a malformed conversation (RequestError, param ``messages`` / ``tools``, for text
+        holding the encoder's reserved sentinel characters)."""
         if not isinstance(messages, (list, tuple)):
             raise InvalidArgument(f"chat: messages must be a list of {{'role': ..., 'content': ...}} dicts, got "
                                   f"{type(messages).__name__} (for one user turn: [{{'role': 'user', 'content': text}}])")
         if not messages:
             raise EmptyPrompt("chat: messages is empty; expected a list of {'role': ..., 'content': ...}")
+        from host.prompt_text import encode_prompt, shield
+
+        if tools is not None:
+            from host.grammar import tool_names
+            tool_names(tools)  # RequestError(param="tools") for anything but a list of named functions
+        messages, tools = shield(list(messages), tools)
         try:
-            text = self.template.render(list(messages), tools=tools, add_generation_prompt=True,
+            text = self.template.render(messages, tools=tools, add_generation_prompt=True,
                                         enable_thinking=enable_thinking)
         except EngineError:
             raise
         except Exception as e:  # the template layer names the message at fault
             raise InvalidArgument(f"chat: cannot render the conversation: {e}") from e
-        return self.encode(text, "chat")
+        check_text(text, "chat")
+        return encode_prompt(self.tokenizer, text)
 
     def encode(self, text: str, what: str = "prompt") -> list[int]:
         """Token ids of ``text`` (no special-token parsing beyond the tokenizer's own). Raises InvalidArgument when
@@ -166,10 +186,12 @@ class Engine:
     def chat(self, messages: list[dict], tools: list[dict] | None = None, enable_thinking: bool = True,
              **kw) -> Generation:
         """Render ``messages`` with the chat template and generate in a fresh session (``Session.generate`` args:
-        max_new_tokens, temperature, top_k, top_p, seed, stop, stop_ids). Holds a slot only while it runs, as
+        max_new_tokens, temperature, top_k, top_p, min_p, seed, stop, stop_ids, logprobs, tool_choice,
+        response_format, tool_grammar). ``tools`` are rendered into the system turn and parse the reply's tool
+        calls; the reply starts in reasoning when ``enable_thinking``. Holds a slot only while it runs, as
         :meth:`generate`."""
         ids, marks = render_turn(self, messages, tools, enable_thinking)
-        return self._oneshot(prepare(self, ids, checkpoint_at=marks, **kw))
+        return self._oneshot(prepare(self, ids, checkpoint_at=marks, tools=tools, reasoning=enable_thinking, **kw))
 
     def _oneshot(self, job: tuple) -> Generation:
         """A Generation of the checked ``job`` (``host.session.prepare``) in a session opened when it starts and

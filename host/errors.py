@@ -37,7 +37,8 @@ class InvalidTokenId(EngineError):
 class InvalidArgument(EngineError):
     """An argument of the Python API or the CLI that is of the wrong type, out of range or inconsistent with the
     engine, raised before any work: a sampling parameter (``SamplingParams``: temperature < 0 or not finite,
-    top_k < 0, top_p outside (0, 1], seed < 0, a bool for any of them); ``max_new_tokens`` < 1 or not below the
+    top_k < 0, top_p outside (0, 1], min_p outside [0, 1], seed < 0, a bool for any of them); ``logprobs`` not
+    an integer in [0, 20]; ``max_new_tokens`` < 1 or not below the
     session capacity / model context (``host.sampling.check_generation_args``); an empty stop string; an unknown
     executor name; a ``capacity`` below 2 (no room for a prompt token and a reply), above the model's context or
     too large for host / GPU memory; ``slots`` < 1; a ``path_or_preset`` that is not a str / Path; a ``chat``
@@ -46,6 +47,18 @@ class InvalidArgument(EngineError):
     valid UTF-8."""
 
     exit_code = 2
+
+
+class RequestError(InvalidArgument):
+    """A request parameter of the agent interface that cannot be served, raised before any work with the session
+    intact: ``param`` names it (``tools``, ``tool_choice``, ``response_format``, ``--tools``, ...). Raised for a
+    tool list that is not a list of functions (or, on the CLI, a file that is not valid JSON), a ``tool_choice``
+    naming a function the tools do not have, a ``response_format`` of an unknown type, a JSON schema, regex or
+    tool schema that xgrammar rejects, and control-token sentinels in message text (``host.prompt_text``)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 class ModelLoadError(EngineError):

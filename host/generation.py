@@ -15,12 +15,23 @@ class Delta:
     """One streamed piece: ``text`` (complete UTF-8 characters, possibly empty while held back for a stop
     string), the generated ``ids`` it accounts for, and on the last delta ``finish_reason`` and ``stop_reason``
     (vLLM's names: ``stop`` = an EOS or stop token or a stop string, ``length`` = max_new_tokens reached or the
-    session full; ``stop_reason`` = the matched stop string or stop token id, None for EOS and for ``length``)."""
+    session full, ``tool_calls`` = the reply ended with tool calls, ``grammar_dead_end`` = the grammar admitted
+    no token; ``stop_reason`` = the matched stop string or stop token id, None otherwise).
+
+    The parsed view of the same ids (``host.reply``): ``reasoning_content`` / ``content`` text pieces and the
+    ``tool_calls`` completed by them (each whole: ``{"index", "id", "type": "function", "function": {"name",
+    "arguments"}}``); concatenated over the stream they equal the result's fields.
+    ``logprobs`` (when the generation was asked for them): per id, (id, log-probability, [(id, log-probability)
+    of the most likely alternatives])."""
 
     text: str
     ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    reasoning_content: str = ""   # reasoning text these ids decided (host.reply); "" when none
+    content: str = ""             # content text (outside reasoning and tool calls)
+    tool_calls: list[dict] = field(default_factory=list)  # calls completed by these ids, whole (OpenAI shape + index)
+    logprobs: list | None = None
 
 
 @dataclass
@@ -43,13 +54,23 @@ class Timings:
 class GenerationResult:
     """Final result: text (stop strings/tokens excluded), generated ids (a stop token included), timings.
 
-    ``finish_reason`` (vLLM / OpenAI): ``stop`` or ``length``. ``stop_reason`` (vLLM): the matched stop string or
+    ``finish_reason`` (vLLM / OpenAI): ``stop``, ``length``, ``tool_calls`` (the reply ended with at least one
+    parsed tool call and nothing but whitespace after it; ``finish_detail`` still says how it stopped, ``eos``) or
+    ``grammar_dead_end`` (the grammar of ``response_format`` / ``tool_choice`` admitted no token: finish_detail
+    ``grammar_dead_end``; the text so far is kept). ``stop_reason`` (vLLM): the matched stop string or
     the stop token id, None for EOS (one of the config's eos ids) and for ``length``. ``finish_detail``: ``eos``,
     ``stop_token``, ``stop_string`` (finish_reason ``stop``), ``max_new_tokens`` or ``capacity`` (finish_reason
     ``length``). ``capacity``: prompt and generated tokens filled the session (at most the model's context;
     vLLM's prompt + output <= max_model_len) before max_new_tokens were generated; max_new_tokens itself is at
     most capacity - 1 (``check_generation_args``), so this happens when the prompt (a session's earlier turns
-    included) leaves less room than max_new_tokens."""
+    included) leaves less room than max_new_tokens.
+
+    Parsed by token id (``host.reply``): ``reasoning_content`` (None when the reply did not start in reasoning:
+    thinking off or a raw prompt), ``content``, ``tool_calls`` (OpenAI shape: ``{"index", "id", "type":
+    "function", "function": {"name", "arguments": JSON text typed by the tool's schema}}``),
+    ``invalid_tool_calls`` (``{"index", "raw", "reason": "malformed" | "unterminated"}``), ``tool_call_warnings``
+    (``{"index", "id", "name", "warnings": [...]}``). ``grammar``: what constrained the reply (``host.grammar``:
+    kind, key, compile and mask times), None when nothing did."""
 
     text: str
     ids: list[int]
@@ -63,6 +84,12 @@ class GenerationResult:
     sampling: dict = field(default_factory=dict)
     session_note: str = ""
     prompt_ids: list[int] = field(default_factory=list, repr=False)
+    reasoning_content: str | None = None
+    content: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
+    invalid_tool_calls: list[dict] = field(default_factory=list)
+    tool_call_warnings: list[dict] = field(default_factory=list)
+    grammar: dict | None = None
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -57,7 +57,9 @@ def _finite(v) -> bool:
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 = greedy, and so is any temperature below 1e-5 (SAMPLING_EPS, vLLM's rule: dividing the
-    logits by a smaller one overflows); top_k None/0 and top_p None/1.0 disable those filters; seed None = fresh
+    logits by a smaller one overflows); top_k None/0, top_p None/1.0 and min_p None/0.0 disable those filters
+    (min_p: drop every token whose probability is below min_p times the most likely one's, after top-k and top-p,
+    transformers' order); seed None = fresh
     entropy (the seed actually drawn is recorded in the result, so any run can be replayed). Numbers may be Python
     or NumPy scalars (stored as Python numbers); booleans are refused. Raises InvalidArgument."""
 
@@ -65,6 +67,7 @@ class SamplingParams:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    min_p: float | None = None
 
     def __post_init__(self) -> None:
         t, k, p, seed = self.temperature, self.top_k, self.top_p, self.seed
@@ -76,7 +79,10 @@ class SamplingParams:
             raise InvalidArgument(f"top_p: expected a number in (0, 1], got {_shown(p)}")
         if seed is not None and (not _integer(seed) or seed < 0):
             raise InvalidArgument(f"seed: expected an integer >= 0, got {seed!r}")
-        for name in ("temperature", "top_k", "top_p", "seed"):
+        m = self.min_p
+        if m is not None and (not _real(m) or not 0.0 <= m <= 1.0):
+            raise InvalidArgument(f"min_p: expected a number in [0, 1] (0 = off), got {_shown(m)}")
+        for name in ("temperature", "top_k", "top_p", "seed", "min_p"):
             object.__setattr__(self, name, _as_python(getattr(self, name)))
 
     @property
@@ -127,7 +133,8 @@ def check_generation_args(params: SamplingParams, max_new_tokens: int | None, ca
             f"the engine with a larger capacity (Engine.load(..., capacity=N))")
     if params.greedy:
         names = [name for name, v, off in (("top_k", params.top_k, 0), ("top_p", params.top_p, 1.0),
-                                           ("seed", params.seed, None)) if v is not None and v != off]
+                                           ("min_p", params.min_p, 0.0), ("seed", params.seed, None))
+                 if v is not None and v != off]
         if names:
             shown = ["--" + x.replace("_", "-") for x in names] if cli else names
             listed = shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " and " + shown[-1]
@@ -179,33 +186,69 @@ class Sampler:
         self.seed = params.seed if (params.seed is not None or params.greedy) else secrets.randbits(63)
         self.rng = np.random.Generator(np.random.PCG64(self.seed))
 
-    def choose(self, out) -> int:
+    def choose(self, out, allowed: np.ndarray | None = None) -> int:
         """Next token for a step's output ``out`` (a ``StepOutput``): the device's greedy token when decoding is
         greedy and the executor chose one; a draw on the device when the executor offers one
         (``out.sample_on_device``, the same rules and the same draw u as the host's); else the host's choice from
-        ``out.logits``. Raises ValueError when the output holds neither logits nor a token."""
+        ``out.logits``. ``allowed``: a grammar's bool [V] mask (``host.grammar.Constraint.allowed``); when given,
+        the choice is always the host's, from ``out.logits`` with every other id at -inf (on a GPU executor that
+        fetches the logits row from the device). Raises ValueError when the output holds neither logits nor a
+        token, or the mask admits no id."""
         p = self.params
+        if allowed is not None:
+            if out.logits is None:
+                raise ValueError("a grammar needs the step's logits, and the step returned none")
+            return self(out.logits, allowed)
         if p.greedy and getattr(out, "token", None) is not None:
             return int(out.token)
         dev = getattr(out, "sample_on_device", None)
-        if dev is not None and not p.greedy:
+        if dev is not None and not p.greedy and not p.min_p:  # the device draw has no min-p filter
             return int(dev(float(p.temperature), p.top_k or 0, p.top_p, float(self.rng.random())))
         if out.logits is None:
             raise ValueError("the step returned neither logits nor a token")
         return self(out.logits)
 
-    def __call__(self, logits: np.ndarray) -> int:
-        """Next token id for ``logits`` [V] (bf16 or fp32); never a padding id."""
+    def __call__(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> int:
+        """Next token id for ``logits`` [V] (bf16 or fp32); never a padding id; with ``allowed`` (bool [V]) never
+        an id it excludes (ValueError when it admits none)."""
         if logits.ndim != 1:
             raise ValueError(f"Sampler: expected logits of shape [V], got {logits.shape}")
         x = mask_padding(logits)
+        if allowed is not None:
+            if allowed.shape != x.shape or not allowed[:FIRST_PADDING_ID].any():
+                raise ValueError(f"Sampler: the grammar mask (shape {allowed.shape}) admits no id of the "
+                                 f"{x.shape[0]} logits")
+            x[~allowed] = -np.inf
         p = self.params
         if p.greedy:
             tok = int(ops.argmax(x))
         else:
             top_k = p.top_k if p.top_k else 0
             top_p = p.top_p if p.top_p is not None else 1.0
-            tok = int(ops.sample(x, float(p.temperature), top_k, top_p, self.rng))
+            if p.min_p:  # after temperature, top-k and top-p (transformers' MinPLogitsWarper comes last)
+                s = ops.filter_logits(x, float(p.temperature), top_k, top_p)
+                s[s < s.max() + np.float32(np.log(p.min_p))] = -np.inf  # p_i < min_p * p_max (the max is kept)
+                tok = int(ops.sample(s, 1.0, 0, None, self.rng))   # the same draw on the filtered scores
+            else:
+                tok = int(ops.sample(x, float(p.temperature), top_k, top_p, self.rng))
         assert tok < FIRST_PADDING_ID, f"sampler chose padding id {tok}"  # the mask makes this impossible
         return tok
 
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int = 0) -> tuple[float, list[tuple[int, float]]]:
+    """(log-probability of ``token``, the ``top`` most likely (id, log-probability) pairs, most likely first, ties
+    by lower id) under the model's own distribution: log-softmax of the fp32 logits [V] with the padding rows
+    masked, before any temperature or filter (vLLM's default ``raw_logprobs``, what OpenAI's ``logprobs`` reports).
+    """
+    x = mask_padding(np.asarray(logits, dtype=np.float32)).astype(np.float64)
+    m = x.max()
+    lse = m + np.log(np.exp(x - m).sum())
+    lp = x - lse
+    pairs: list[tuple[int, float]] = []
+    if top > 0:
+        k = min(int(top), FIRST_PADDING_ID)
+        cand = np.argpartition(-lp, k - 1)[:k]
+        cand = cand[np.lexsort((cand, -lp[cand]))]
+        pairs = [(int(i), float(lp[i])) for i in cand]
+    return float(lp[int(token)]), pairs

@@ -21,12 +21,14 @@ import numpy as np
 from host.errors import EmptyPrompt, EngineError, GenerationInterrupted, InvalidArgument, InvalidTokenId, PromptTooLong
 from host.executors import Executor, StepOutput
 from host.generation import Delta, Generation, GenerationResult, Timings
-from host.sampling import Sampler, SamplingParams, check_generation_args
+from host.reply import ReplyPlan, plan_reply
+from host.sampling import Sampler, SamplingParams, check_generation_args, token_logprobs
 from loader.config import FIRST_PADDING_ID, IM_START_ID
 
 CKPT_ALIGN = 64        # GDN prefill chunk: state checkpoints sit on multiples of it (article Part 5.4)
 PREFILL_PIECE = 256    # longest prefill call (a multiple of CKPT_ALIGN): bounds the [T, V] logits the CPU path makes
 MAX_CHECKPOINTS = 8    # state snapshots kept per session (the newest)
+MAX_TOP_LOGPROBS = 20  # most alternatives per token ``logprobs=`` may ask for (OpenAI's top_logprobs limit)
 
 
 def validate_ids(ids: Sequence[int], vocab_size: int, what: str = "prompt", allow_empty: bool = False) -> list[int]:
@@ -105,10 +107,13 @@ def session_capacity(engine) -> int:
 def prepare(engine, prompt_ids: Sequence[int], *, max_new_tokens: int | None = None, temperature: float = 0.0,
             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
             stop: Sequence[str] | None = (), stop_ids: Sequence[int] | None = None,
-            checkpoint_at: Sequence[int] = ()) -> tuple:
+            checkpoint_at: Sequence[int] = (), tools: list | None = None, tool_choice=None,
+            response_format: dict | None = None, reasoning: bool = False, tool_grammar: bool = True,
+            min_p: float | None = None, logprobs: int | None = None) -> tuple:
     """Every check of ``Session.generate`` that needs no slot (its arguments and raises, the session's own state
     aside), done before any work; returns the arguments of ``Session._loop`` after the Generation. Shared with the
-    one-shot ``Engine.generate`` / ``chat``, which take a slot only when their Generation starts."""
+    one-shot ``Engine.generate`` / ``chat``, which take a slot only when their Generation starts. The agent
+    arguments (``tools`` … ``tool_grammar``) go to ``host.reply.plan_reply``, which compiles their grammar."""
     cfg = engine.cfg
     prompt = validate_ids(prompt_ids, cfg.vocab_size)
     cap = session_capacity(engine)
@@ -126,9 +131,16 @@ def prepare(engine, prompt_ids: Sequence[int], *, max_new_tokens: int | None = N
         raise InvalidArgument(f"stop: expected non-empty strings, got {list(stop)!r}")
     stop_set = set(cfg.eos_token_ids if stop_ids is None
                    else validate_ids(stop_ids, cfg.vocab_size, "stop_ids", allow_empty=True))
-    params = SamplingParams(temperature, top_k, top_p, seed)  # the shared check last: it may warn
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, (int, np.integer))
+                                 or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+        raise InvalidArgument(f"logprobs: expected an integer in [0, {MAX_TOP_LOGPROBS}] (the most likely "
+                              f"alternatives reported per token; None = no log-probabilities), got {logprobs!r}")
+    params = SamplingParams(temperature, top_k, top_p, seed, min_p)  # the shared check last: it may warn
     max_new = check_generation_args(params, max_new_tokens, engine.executor.capacity, cfg.max_position_embeddings)
-    return prompt, max_new, list(stop), stop_set, Sampler(params), [int(m) for m in checkpoint_at]
+    plan = plan_reply(engine, tools=tools, tool_choice=tool_choice, response_format=response_format,
+                      reasoning=reasoning, tool_grammar=tool_grammar)
+    return (prompt, max_new, list(stop), stop_set, Sampler(params), [int(m) for m in checkpoint_at], plan,
+            None if logprobs is None else int(logprobs))
 
 
 def render_turn(engine, messages: list[dict], tools: list[dict] | None,
@@ -156,6 +168,7 @@ class Session:
         self.ids: list[int] = []
         self.checkpoints: list[tuple[int, object]] = []
         self._last: StepOutput | None = None  # output of the last processed token (valid when ids non-empty)
+        self._outs: dict[int, StepOutput] = {}  # host-side outputs at checkpoint positions (see _checkpoint)
         self._pending = None                   # weakref to the last Generation made, until it ends
         self._ex().reset(slot)
 
@@ -195,18 +208,20 @@ class Session:
             p = 0
             ex.reset(self.slot)
         self.ids = self.ids[:p]
-        self._last = None
+        self._outs = {q: o for q, o in self._outs.items() if q <= p}
+        self._last = self._outs.get(p)
         return p
 
     def _prefill(self, new: list[int], marks: Sequence[int] = ()) -> int:
         """Run ``new`` after ``self.ids`` in pieces that start on multiples of 64 (after a first piece up to the
         next one) and are at most PREFILL_PIECE long; snapshot the state at the last multiple of 64 reached and
         at each position in ``marks`` (turn starts: a restart there is valid, though chunks are then anchored
-        off the 64 grid). Returns the number of tokens run."""
+        off the 64 grid; a mark at the end keeps the end's output too, so the same prompt again runs nothing).
+        Returns the number of tokens run."""
         ex = self._ex()
         start, end = len(self.ids), len(self.ids) + len(new)
         last_b = end // CKPT_ALIGN * CKPT_ALIGN
-        stops = sorted({m for m in marks if start < m < end} | ({last_b} if last_b > start else set()))
+        stops = sorted({m for m in marks if start < m <= end} | ({last_b} if last_b > start else set()))
         while len(self.ids) < end:
             p = len(self.ids)
             nxt = -(-p // CKPT_ALIGN) * CKPT_ALIGN if p % CKPT_ALIGN else p + PREFILL_PIECE
@@ -225,6 +240,10 @@ class Session:
             return
         self.checkpoints.append((pos, self._ex().state_snapshot()))
         self.checkpoints = self.checkpoints[-MAX_CHECKPOINTS:]
+        if type(self._last) is StepOutput:  # logits on the host (a GPU output reads device buffers reused later)
+            self._outs[pos] = self._last
+        kept = {p for p, _ in self.checkpoints}
+        self._outs = {q: o for q, o in self._outs.items() if q in kept}
 
     def _sync(self, prompt: list[int], marks: Sequence[int] = ()) -> tuple[StepOutput, int, int, str]:
         """Bring the state to ``prompt``; returns (last output, reused tokens, prefilled tokens, note)."""
@@ -232,6 +251,11 @@ class Session:
         if common == len(self.ids) == len(prompt) and self._last is not None:
             return self._last, common, 0, f"prompt equals the session's {common} tokens: nothing to run"
         note = ""
+        if common == len(prompt) and common in self._outs:  # a checkpoint at the prompt's end kept its output
+            had = len(self.ids)
+            self._rewind(common)
+            return self._last, common, 0, f"prompt is the first {common} of the session's {had} tokens: restored " \
+                                          "the checkpoint at its end, nothing to run"
         if common == len(prompt):  # prompt is a prefix of the state: need the last prompt token's output again
             common -= 1
         if common < len(self.ids):
@@ -249,7 +273,10 @@ class Session:
     def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int | None = None, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  stop: Sequence[str] = (), stop_ids: Sequence[int] | None = None,
-                 checkpoint_at: Sequence[int] = ()) -> Generation:
+                 checkpoint_at: Sequence[int] = (), tools: list | None = None, tool_choice=None,
+                 response_format: dict | None = None, reasoning: bool = False,
+                 tool_grammar: bool = True, min_p: float | None = None,
+                 logprobs: int | None = None) -> Generation:
         """Continue the conversation whose whole token stream is ``prompt_ids``; returns a streaming Generation.
 
         Stops on ``stop_ids`` (default: the config's eos ids 248046, 248044), on any ``stop`` string matched on
@@ -258,15 +285,26 @@ class Session:
         first two, ``length`` for the others; see GenerationResult). ``max_new_tokens``: at most ``capacity`` - 1
         (the prompt takes at least one token; as the CLI's ``--max-new-tokens``); None = 256, or ``capacity`` - 1
         when smaller. ``temperature``: 0 = greedy, and so is any value below 1e-5 (vLLM's rule). ``top_k`` /
-        ``top_p`` / ``seed`` act only when sampling (temperature >= 1e-5).
+        ``top_p`` / ``min_p`` / ``seed`` act only when sampling (temperature >= 1e-5). ``logprobs``: None, or
+        k in [0, 20]: each Delta then carries ``logprobs``, per id (id, its log-probability, the k most likely
+        (id, log-probability) pairs) under the model's raw distribution (``host.sampling.token_logprobs``).
         ``checkpoint_at``: extra prompt positions to snapshot (``chat`` passes the start of the generation
         prompt, where a re-rendered history usually diverges).
+        Agent arguments (docs/agent.md): ``tools`` (OpenAI tool list: the reply's tool calls are parsed by token id
+        and typed by their schemas), ``tool_choice`` (``auto`` | ``required`` | ``none`` | a function name),
+        ``response_format`` (``{"type": "json_object"}`` | ``{"type": "json_schema", "json_schema": {"schema":
+        S}}`` | ``{"type": "regex", "pattern": P}``), ``reasoning`` (the prompt ends inside a reasoning block:
+        ``chat`` passes ``enable_thinking``), ``tool_grammar`` (constrain tool calls with xgrammar; default True).
+        A grammar masks every step's logits, greedy included (``host.grammar``); the result carries
+        ``reasoning_content``, ``content``, ``tool_calls``, ``invalid_tool_calls`` (GenerationResult).
 
         Raises, before any work: EmptyPrompt (no ids); InvalidTokenId (an id outside the vocabulary or a padding
         id, in the prompt or ``stop_ids``); PromptTooLong (the prompt leaves no room in ``capacity``
         for a reply: it has ``capacity`` tokens or more, refused as vLLM does);
         InvalidArgument (prompt_ids not a sequence of ints, max_new_tokens not an integer >= 1 or not below
         ``capacity`` or the model's context, a sampling parameter out of range, an empty stop string);
+        RequestError, an InvalidArgument with ``.param`` (tools not a tool list, an unknown tool_choice or function
+        name, a response_format xgrammar rejects; ``host.reply.plan_reply``);
         EngineError (this session is closed or already generating). Warns IgnoredArgumentWarning when decoding is
         greedy and top_k, top_p or seed is given (they are ignored; ``host.sampling.check_generation_args``).
         While running: GenerationInterrupted on KeyboardInterrupt (the session is rolled back to a checkpoint and
@@ -280,7 +318,9 @@ class Session:
             # stepped in turn would share the slot's state)
             raise EngineError("this session is already generating: finish or close() its Generation first")
         job = prepare(self.engine, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                      top_p=top_p, seed=seed, stop=stop, stop_ids=stop_ids, checkpoint_at=checkpoint_at)
+                      top_p=top_p, seed=seed, stop=stop, stop_ids=stop_ids, checkpoint_at=checkpoint_at,
+                      tools=tools, tool_choice=tool_choice, response_format=response_format, reasoning=reasoning,
+                      tool_grammar=tool_grammar, min_p=min_p, logprobs=logprobs)
         g = Generation(lambda g: self._loop(g, *job))
         self._pending = weakref.ref(g)
         return g
@@ -291,14 +331,16 @@ class Session:
         at the generation prompt's ``<|im_start|>`` is kept: the next turn's render drops this turn's reasoning
         and re-tokenises its reply, so it diverges there and re-runs from that point, not from scratch."""
         ids, marks = render_turn(self.engine, messages, tools, enable_thinking)
-        return self.generate(ids, checkpoint_at=marks, **kw)
+        return self.generate(ids, checkpoint_at=marks, tools=tools, reasoning=enable_thinking, **kw)
 
     def _loop(self, g: Generation, prompt: list[int], max_new: int, stops: list[str], stop_set: set[int],
-              sampler: Sampler, marks: list[int]) -> Iterator[Delta]:
+              sampler: Sampler, marks: list[int], plan: ReplyPlan,
+              n_logprobs: int | None = None) -> Iterator[Delta]:
         ex = self.engine.executor
         t0 = time.perf_counter()
         tm = Timings(prompt_tokens=len(prompt))
         detok, match = self.engine.new_detok(), _StopMatcher(stops)
+        reply, gram = plan.parser(self.engine.tokenizer, stops), plan.constraint(self.engine.cfg.vocab_size)
         cfg_eos = set(self.engine.cfg.eos_token_ids)
         out_ids: list[int] = []
         paused = 0.0
@@ -310,12 +352,26 @@ class Session:
             while finish is None:
                 if out.token is None and out.logits is None:
                     raise EngineError(f"{ex.name} executor returned neither logits nor a token")
-                tok = sampler.choose(out)
+                allowed = gram.allowed() if gram is not None else None
+                if allowed is not None and not allowed.any():  # the grammar admits nothing: end the turn here
+                    finish, why = "grammar_dead_end", "grammar_dead_end"
+                    if not out_ids:
+                        t_first = time.perf_counter()
+                        tm.ttft_ms = (t_first - t0) * 1e3
+                    text, _ = match.feed(detok.flush())
+                    text += match.flush()
+                    yield self._delta(text, [], finish, None, reply.finish())
+                    break
+                tok = sampler.choose(out, allowed)
+                lps = None if n_logprobs is None else [(tok, *token_logprobs(out.logits, tok, n_logprobs))]
                 if not out_ids:
                     t_first, paused = time.perf_counter(), 0.0
                     tm.ttft_ms = (t_first - t0) * 1e3
                 out_ids.append(tok)
-                if tok in stop_set:
+                if gram is not None and not gram.accept(tok):  # the mask admitted it: a bug, not bad input
+                    raise EngineError(f"grammar refused token {tok}, which its own mask admitted")
+                ended = gram is not None and gram.terminated
+                if tok in stop_set or (ended and tok in cfg_eos):
                     finish, piece = "stop", detok.flush()
                     why, stop_reason = ("eos", None) if tok in cfg_eos else ("stop_token", tok)
                 else:
@@ -331,8 +387,13 @@ class Session:
                     finish, why, stop_reason = "stop", "stop_string", hit
                 elif finish:
                     text += match.flush()
+                pieces = reply.feed(tok)
+                if finish:
+                    pieces = _merge(pieces, reply.finish())
+                    if finish == "stop" and why == "eos" and reply.ends_with_calls:
+                        finish = "tool_calls"
                 ty = time.perf_counter()
-                yield Delta(text, [tok], finish, stop_reason)  # hand the text out before the next step computes
+                yield self._delta(text, [tok], finish, stop_reason, pieces, lps)  # out before the next step
                 paused += time.perf_counter() - ty  # time the consumer held the stream is not decode time
                 if finish is None:
                     out = self._ex().step(tok)  # re-select the slot: another session may have run meanwhile
@@ -361,4 +422,20 @@ class Session:
             tm.decode_tokens_per_s = (len(out_ids) - 1) / busy
         tm.tokens_per_step = len(out_ids) / (1 + tm.steps)
         g._result = GenerationResult(match.text, out_ids, finish, stop_reason, why, tm, ex.name, ex.detail,
-                                     sampler.seed, asdict(sampler.params), note, prompt)
+                                     sampler.seed, asdict(sampler.params), note, prompt,
+                                     reply.reasoning_content, reply.content, reply.tool_calls,
+                                     reply.invalid_tool_calls, reply.tool_call_warnings,
+                                     gram.report() if gram is not None else None)
+
+    @staticmethod
+    def _delta(text: str, ids: list[int], finish, stop_reason, pieces, logprobs=None) -> Delta:
+        return Delta(text, ids, finish, stop_reason, pieces.reasoning, pieces.content, pieces.tool_calls, logprobs)
+
+
+def _merge(a, b):
+    """Two ``host.reply.ReplyPieces`` as one (the last id's pieces and the parser's final ones)."""
+    a.reasoning += b.reasoning
+    a.content += b.content
+    a.tool_calls += b.tool_calls
+    a.invalid += b.invalid
+    return a

@@ -239,6 +239,16 @@ class Tokenizer:
         self._check_text(text, "encode")
         return self._tk.encode(text, add_special_tokens=False).ids
 
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` with no added-token scan: ``"<|im_end|>"`` becomes ordinary byte-level tokens
+        (``<``, ``|``, ``im``, ``_end``, ``|``, ``>``), never id 248046; for text without added-token strings it
+        equals :meth:`encode`. The same pipeline (NFC, Split, ByteLevel, BPE) minus the added-token layer. Raises
+        TokenizerError on a lone surrogate."""
+        self._check_text(text, "encode_text")
+        norm = self._tk.normalizer.normalize_str(text) if self._tk.normalizer else text
+        return [t.id for piece, _ in self._tk.pre_tokenizer.pre_tokenize_str(norm)
+                for t in self._tk.model.tokenize(piece)]
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """``[encode(t) for t in texts]``, run in the library's thread pool."""
         for k, t in enumerate(texts):

@@ -11,19 +11,21 @@ from __future__ import annotations
 
 import click
 
-from host.commands.generate import (ERROR, check_against_model, check_model_args, check_sampling_args, gen_kwargs,
-                                   handle_errors, load_engine, model_options, sampling_options, timing_line,
-                                   warned_already)
+from host.commands.generate import (ERROR, agent_kwargs, agent_options, check_against_model, check_model_args,
+                                   check_sampling_args, gen_kwargs, handle_errors, load_engine, model_options,
+                                   print_calls, sampling_options, timing_line, warned_already)
 from host.errors import GenerationInterrupted, InvalidArgument, PromptTooLong
 
-HELP = ("commands: /reset clears the conversation, /exit or /quit ends the chat, /help lists them; "
-        "start a message with // to send a leading /")
+HELP = ("commands: /reset clears the conversation, /tool TEXT sends TEXT as the result of the last tool call(s) "
+        "(a tool message), /exit or /quit ends the chat, /help lists them; start a message with // to send a "
+        "leading /")
 
 
 def assistant_message(engine, ids: list[int], text: str, thinking: bool) -> dict:
-    """The assistant turn to keep in the history. With thinking on, the reasoning (up to id 248069
-    ``</think>``, split by ``loader.toolcall.split_reasoning``) goes to ``reasoning_content`` so the template
-    can drop it from earlier turns as the real one does."""
+    """The assistant turn to keep in the history of a reply given by its ids and text. With thinking on, the
+    reasoning (up to id 248069 ``</think>``, split by ``loader.toolcall.split_reasoning``) goes to
+    ``reasoning_content`` so the template can drop it from earlier turns as the real one does. A
+    GenerationResult at hand: :func:`assistant_turn` keeps its parsed tool calls too."""
     from loader.toolcall import split_reasoning  # deferred: the engine side (host.commands.generate)
 
     if not thinking:
@@ -32,6 +34,18 @@ def assistant_message(engine, ids: list[int], text: str, thinking: bool) -> dict
     msg = {"role": "assistant", "content": content.strip()}
     if reasoning.strip():
         msg["reasoning_content"] = reasoning.strip()
+    return msg
+
+
+def assistant_turn(r) -> dict:
+    """The assistant turn to keep in the history, from a GenerationResult's parsed fields (by token id,
+    ``host.reply``): the content, the reasoning in ``reasoning_content`` (so the template can drop it from
+    earlier turns as the real one does) and the parsed ``tool_calls``."""
+    msg = {"role": "assistant", "content": r.content.strip()}
+    if r.reasoning_content and r.reasoning_content.strip():
+        msg["reasoning_content"] = r.reasoning_content.strip()
+    if r.tool_calls:
+        msg["tool_calls"] = [{k: c[k] for k in ("id", "type", "function")} for c in r.tool_calls]
     return msg
 
 
@@ -51,6 +65,7 @@ def read_line(prompt: str = ">>> ") -> str | None:
 @click.command()
 @model_options
 @sampling_options
+@agent_options
 @click.option("--system", default=None, help="System message.")
 @click.option("--timings/--no-timings", default=True, show_default=True, help="Timing line after each reply.")
 @handle_errors
@@ -58,6 +73,8 @@ def command(system, timings, **kw):
     """Chat interactively (keeps the session between turns)."""
     check_model_args(kw)
     check_sampling_args(kw)  # bad sampling flags fail before the model loads
+    agent = agent_kwargs(kw)  # tool and grammar flags too
+    tools = agent.pop("tools", None)
     from host.sampling import check_text  # deferred: the engine side (host.commands.generate)
 
     if system:
@@ -85,16 +102,20 @@ def command(system, timings, **kw):
         elif cmd == "/help":
             click.echo(HELP, err=True)
             continue
+        elif cmd == "/tool" or cmd.startswith("/tool "):
+            turn = messages + [{"role": "tool", "content": cmd[len("/tool"):].strip()}]
+            line = None
         elif cmd.startswith("/"):
             click.echo(f"unknown command {cmd.split()[0]!r} (nothing sent); {HELP}", err=True)
             continue
-        if not line.strip():
-            continue
-        turn = messages + [{"role": "user", "content": line}]
+        if line is not None:
+            if not line.strip():
+                continue
+            turn = messages + [{"role": "user", "content": line}]
         try:
-            check_text(line, "input")
+            check_text(line if line is not None else turn[-1]["content"], "input")
             with warned_already():  # printed once before loading, not again each turn
-                g = sess.chat(turn, enable_thinking=not kw["no_think"], **gen_kwargs(kw))
+                g = sess.chat(turn, enable_thinking=not kw["no_think"], tools=tools, **gen_kwargs(kw), **agent)
         except (PromptTooLong, InvalidArgument) as e:  # this turn only: the conversation so far stays usable
             click.echo(f"{ERROR} {e}\n[turn dropped, conversation kept; /reset starts over]", err=True)
             continue
@@ -114,6 +135,7 @@ def command(system, timings, **kw):
             click.echo("", err=True)  # end the cut-short reply line before handle_errors' one-line message
             raise
         click.echo("")
+        print_calls(r)
         if timings:
             click.echo(timing_line(r), err=True)
-        messages = turn + [assistant_message(eng, r.ids, r.text, not kw["no_think"])]
+        messages = turn + [assistant_turn(r)]

@@ -81,6 +81,91 @@ def sampling_options(f):
     return f
 
 
+def agent_options(f):
+    """Tool and grammar options, shared by generate and chat (docs/agent.md)."""
+    for opt in reversed([
+        click.option("--tools", "tools_file", type=click.Path(dir_okay=False), default=None,
+                     help="JSON file holding the OpenAI tool list ([{\"type\": \"function\", \"function\": "
+                          "{...}}, ...]): rendered into the prompt; the reply's tool calls are parsed."),
+        click.option("--tool-choice", default=None,
+                     help="auto (default with --tools) | required | none | a function name; required and a name "
+                          "are enforced by the grammar."),
+        click.option("--no-tool-grammar", is_flag=True,
+                     help="Parse tool calls without constraining them (tool choice auto or none only)."),
+        click.option("--response-format", type=click.Choice(["text", "json_object"]), default=None,
+                     help="json_object: the answer is one JSON object (grammar-constrained)."),
+        click.option("--json-schema", "json_schema_file", type=click.Path(dir_okay=False), default=None,
+                     help="JSON file holding a JSON schema the answer must follow (grammar-constrained)."),
+        click.option("--regex", default=None, help="Regular expression the answer must match (grammar-constrained)."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _json_file(path: str, param: str):
+    """The JSON value in ``path``; RequestError(param) when it cannot be read or is not valid JSON."""
+    from host.errors import RequestError
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise RequestError(f"{param} {path}: cannot read it ({e})", param) from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"{param} {path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})",
+                           param) from None
+
+
+def agent_kwargs(kw: dict) -> dict:
+    """The API's agent arguments (tools, tool_choice, tool_grammar, response_format) from the CLI flags, read
+    and checked before the model loads. Raises RequestError naming the flag: a --tools file that is missing or
+    not valid JSON or not a tool list, a --tool-choice naming no tool, more than one of --response-format /
+    --json-schema / --regex, a --json-schema file that is not valid JSON."""
+    from host.errors import RequestError
+    from host.grammar import normalize_tool_choice, tool_names
+
+    out: dict = {}
+    tools = None
+    if kw["tools_file"] is not None:
+        tools = _json_file(kw["tools_file"], "--tools")
+        if isinstance(tools, dict) and "tools" in tools:  # a request body's tools field
+            tools = tools["tools"]
+        try:
+            tool_names(tools)
+        except RequestError as e:
+            raise RequestError(f"--tools {kw['tools_file']}: {e}", "--tools") from None
+        out["tools"] = tools
+    if kw["tool_choice"] is not None or tools is not None:
+        try:
+            out["tool_choice"] = normalize_tool_choice(kw["tool_choice"], tools)
+        except RequestError as e:
+            raise RequestError(f"--tool-choice: {e}", "--tool-choice") from None
+    if kw["no_tool_grammar"]:
+        out["tool_grammar"] = False
+    given = [n for n, v in (("--response-format", kw["response_format"]), ("--json-schema", kw["json_schema_file"]),
+                            ("--regex", kw["regex"])) if v is not None]
+    if len(given) > 1:
+        raise RequestError(f"{' and '.join(given)}: give one of them", given[1])
+    if kw["json_schema_file"] is not None:
+        schema = _json_file(kw["json_schema_file"], "--json-schema")
+        out["response_format"] = {"type": "json_schema", "json_schema": {"schema": schema}}
+    elif kw["regex"] is not None:
+        out["response_format"] = {"type": "regex", "pattern": kw["regex"]}
+    elif kw["response_format"] is not None:
+        out["response_format"] = {"type": kw["response_format"]}
+    return out
+
+
+def print_calls(r) -> None:
+    """One stderr line per parsed tool call and per invalid call region of a result (the text mode's summary)."""
+    for c in r.tool_calls:
+        click.echo(f"[tool call {c['index']}: {c['function']['name']} {c['function']['arguments']}]", err=True)
+    for c in r.invalid_tool_calls:
+        click.echo(f"[invalid tool call {c['index']} ({c['reason']}): {c['raw'][:200]!r}]", err=True)
+
+
 def gen_kwargs(kw: dict) -> dict:
     return dict(max_new_tokens=kw["max_new_tokens"], temperature=kw["temperature"], top_k=kw["top_k"],
                 top_p=kw["top_p"], seed=kw["seed"], stop=list(kw["stop"]))
@@ -222,14 +307,17 @@ def read_prompt(prompt: str | None) -> str:
 @click.argument("prompt", required=False)
 @model_options
 @sampling_options
+@agent_options
 @click.option("--raw", is_flag=True, help="Tokenise PROMPT as is, without the chat template.")
 @click.option("--json", "as_json", is_flag=True,
-              help="Print one JSON object (text, ids, finish_reason, stop_reason, finish_detail, timings, ...).")
+              help="Print one JSON object (text, ids, finish_reason, stop_reason, finish_detail, timings, "
+                   "reasoning_content, content, tool_calls, invalid_tool_calls, ...).")
 @handle_errors
 def command(prompt, raw, as_json, **kw):
     """Generate a reply to PROMPT (or stdin) and stream it."""
     check_model_args(kw)
     check_sampling_args(kw)  # bad sampling flags fail before the model loads (as in chat)
+    agent = agent_kwargs(kw)  # tool and grammar flags too
     if raw and kw["no_think"]:
         click.echo("qwen-mk: warning: --no-think has no effect with --raw (no chat template is rendered)", err=True)
     text = read_prompt(prompt)
@@ -241,9 +329,10 @@ def command(prompt, raw, as_json, **kw):
     eng = load_engine(kw)
     with warned_already():  # generate checks max_new_tokens against the loaded model too (InvalidArgument)
         if raw:
-            g = eng.generate(eng.encode(text), **gen_kwargs(kw))
+            g = eng.generate(eng.encode(text), **gen_kwargs(kw), **agent)
         else:
-            g = eng.chat([{"role": "user", "content": text}], enable_thinking=not kw["no_think"], **gen_kwargs(kw))
+            g = eng.chat([{"role": "user", "content": text}], enable_thinking=not kw["no_think"], **gen_kwargs(kw),
+                         **agent)
     if as_json:
         try:
             r = g.result()
@@ -268,4 +357,5 @@ def command(prompt, raw, as_json, **kw):
                 from None
         raise
     out.write("\n")
+    print_calls(g.result())
     click.echo(timing_line(g.result()), err=True)

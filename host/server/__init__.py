@@ -1,0 +1,8 @@
+"""``qwen-mk serve``: an OpenAI-compatible HTTP server over one batch-1 engine (docs/server.md).
+
+    protocol.py   the request bodies (pydantic, strict types) and the OpenAI error shape
+    pool.py       resident sessions: prefix reuse from the longest usable history, least-recently-used eviction
+    worker.py     the one thread that runs the engine: a bounded queue of jobs, cancellation between steps
+    output.py     generated ids -> OpenAI chat deltas (content, reasoning_content, tool_calls) and logprobs
+    app.py        the FastAPI application: routes, authentication, error handlers, SSE streaming
+"""
