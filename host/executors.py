@@ -197,6 +197,9 @@ class CpuExecutor(Executor):
         st.conv = {i: a.copy() for i, a in snap["conv"].items()}
         st.rec = {i: a.copy() for i, a in snap["rec"].items()}
         st.hidden = None
+        st.mtp_pos = min(st.mtp_pos, max(st.pos - 1, 0))  # MTP row t needs the id at t + 1: still in the state
+        if st.ring is not None:
+            st.ring["rows"] = 0
 
 
 class CpuVmExecutor(Executor):

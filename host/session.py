@@ -27,6 +27,7 @@ from loader.config import FIRST_PADDING_ID, IM_START_ID
 CKPT_ALIGN = 64        # GDN prefill chunk: state checkpoints sit on multiples of it (article Part 5.4)
 PREFILL_PIECE = 256    # longest prefill call (a multiple of CKPT_ALIGN): bounds the [T, V] logits the CPU path makes
 MAX_CHECKPOINTS = 8    # state snapshots kept per session (the newest)
+MAX_DRAFTS = 7         # speculative decoding: drafts per round at most (host.speculate.MAX_K)
 
 
 def validate_ids(ids: Sequence[int], vocab_size: int, what: str = "prompt", allow_empty: bool = False) -> list[int]:
@@ -105,7 +106,7 @@ def session_capacity(engine) -> int:
 def prepare(engine, prompt_ids: Sequence[int], *, max_new_tokens: int | None = None, temperature: float = 0.0,
             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
             stop: Sequence[str] | None = (), stop_ids: Sequence[int] | None = None,
-            checkpoint_at: Sequence[int] = ()) -> tuple:
+            checkpoint_at: Sequence[int] = (), speculate=None) -> tuple:
     """Every check of ``Session.generate`` that needs no slot (its arguments and raises, the session's own state
     aside), done before any work; returns the arguments of ``Session._loop`` after the Generation. Shared with the
     one-shot ``Engine.generate`` / ``chat``, which take a slot only when their Generation starts."""
@@ -128,7 +129,9 @@ def prepare(engine, prompt_ids: Sequence[int], *, max_new_tokens: int | None = N
                    else validate_ids(stop_ids, cfg.vocab_size, "stop_ids", allow_empty=True))
     params = SamplingParams(temperature, top_k, top_p, seed)  # the shared check last: it may warn
     max_new = check_generation_args(params, max_new_tokens, engine.executor.capacity, cfg.max_position_embeddings)
-    return prompt, max_new, list(stop), stop_set, Sampler(params), [int(m) for m in checkpoint_at]
+    from host.speculate import parse_speculate
+    spec = parse_speculate(speculate)
+    return prompt, max_new, list(stop), stop_set, Sampler(params), [int(m) for m in checkpoint_at], spec
 
 
 def render_turn(engine, messages: list[dict], tools: list[dict] | None,
@@ -249,7 +252,7 @@ class Session:
     def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int | None = None, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  stop: Sequence[str] = (), stop_ids: Sequence[int] | None = None,
-                 checkpoint_at: Sequence[int] = ()) -> Generation:
+                 checkpoint_at: Sequence[int] = (), speculate=None) -> Generation:
         """Continue the conversation whose whole token stream is ``prompt_ids``; returns a streaming Generation.
 
         Stops on ``stop_ids`` (default: the config's eos ids 248046, 248044), on any ``stop`` string matched on
@@ -261,6 +264,11 @@ class Session:
         ``top_p`` / ``seed`` act only when sampling (temperature >= 1e-5).
         ``checkpoint_at``: extra prompt positions to snapshot (``chat`` passes the start of the generation
         prompt, where a re-rendered history usually diverges).
+        ``speculate``: ``"off"``, ``"auto"`` (k chosen per round by measurement) or K drafts per round (0..7; 0 =
+        off); None = ``host.speculate.DEFAULT_SPECULATE``. MTP speculative decoding (docs/speculation.md): greedy
+        output is identical to plain decoding; sampled output has the same distribution (not the same draws for a
+        seed). Where the executor cannot speculate (the GPU executors, a model without an MTP head) it decodes
+        plainly and ``timings.speculate`` says why.
 
         Raises, before any work: EmptyPrompt (no ids); InvalidTokenId (an id outside the vocabulary or a padding
         id, in the prompt or ``stop_ids``); PromptTooLong (the prompt leaves no room in ``capacity``
@@ -280,7 +288,8 @@ class Session:
             # stepped in turn would share the slot's state)
             raise EngineError("this session is already generating: finish or close() its Generation first")
         job = prepare(self.engine, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                      top_p=top_p, seed=seed, stop=stop, stop_ids=stop_ids, checkpoint_at=checkpoint_at)
+                      top_p=top_p, seed=seed, stop=stop, stop_ids=stop_ids, checkpoint_at=checkpoint_at,
+                      speculate=speculate)
         g = Generation(lambda g: self._loop(g, *job))
         self._pending = weakref.ref(g)
         return g
@@ -293,8 +302,22 @@ class Session:
         ids, marks = render_turn(self.engine, messages, tools, enable_thinking)
         return self.generate(ids, checkpoint_at=marks, **kw)
 
+    def _spec(self, mode, tm: Timings):
+        """(Speculator or None, fixed k or None for auto) for ``mode``; ``tm.speculate`` records what runs."""
+        if mode == "off":
+            tm.speculate = "off"
+            return None, None
+        from host.speculate import speculator, unavailable
+        why = unavailable(self.engine)
+        if why is not None:
+            tm.speculate = f"off ({why}; plain decode)"
+            return None, None
+        sp = speculator(self.engine)
+        tm.speculate = str(mode)
+        return sp, (None if mode == "auto" else int(mode))
+
     def _loop(self, g: Generation, prompt: list[int], max_new: int, stops: list[str], stop_set: set[int],
-              sampler: Sampler, marks: list[int]) -> Iterator[Delta]:
+              sampler: Sampler, marks: list[int], spec_mode="off") -> Iterator[Delta]:
         ex = self.engine.executor
         t0 = time.perf_counter()
         tm = Timings(prompt_tokens=len(prompt))
@@ -302,43 +325,86 @@ class Session:
         cfg_eos = set(self.engine.cfg.eos_token_ids)
         out_ids: list[int] = []
         paused = 0.0
+        finish, why, stop_reason = None, "", None
+        tried, acc = np.zeros(8, np.int64), np.zeros(8, np.int64)   # this generation, draft positions 1..7
+
+        def emit(tok: int) -> Delta:
+            """Account for one emitted token: stop ids, max tokens, capacity, stop strings; its Delta."""
+            nonlocal finish, why, stop_reason
+            out_ids.append(tok)
+            if tok in stop_set:
+                finish, piece = "stop", detok.flush()
+                why, stop_reason = ("eos", None) if tok in cfg_eos else ("stop_token", tok)
+            else:
+                piece = detok.push(tok)
+                if len(out_ids) == max_new:
+                    finish, why = "length", "max_new_tokens"
+                elif len(prompt) + len(out_ids) >= self.capacity:  # vLLM's prompt + output <= max_model_len;
+                    finish, why = "length", "capacity"               # a turn's prompt holds its history
+                if finish:
+                    piece += detok.flush()
+            text, hit = match.feed(piece)
+            if hit is not None:
+                finish, why, stop_reason = "stop", "stop_string", hit
+            elif finish:
+                text += match.flush()
+            return Delta(text, [tok], finish, stop_reason)
+
         try:
+            sp, k_fixed = self._spec(spec_mode, tm)
             out, tm.reused_tokens, tm.prefilled_tokens, note = self._sync(prompt, marks)
             t1 = time.perf_counter()
             tm.prefill_ms = (t1 - t0) * 1e3
-            finish, why, stop_reason = None, "", None
-            while finish is None:
-                if out.token is None and out.logits is None:
-                    raise EngineError(f"{ex.name} executor returned neither logits nor a token")
-                tok = sampler.choose(out)
-                if not out_ids:
-                    t_first, paused = time.perf_counter(), 0.0
-                    tm.ttft_ms = (t_first - t0) * 1e3
-                out_ids.append(tok)
-                if tok in stop_set:
-                    finish, piece = "stop", detok.flush()
-                    why, stop_reason = ("eos", None) if tok in cfg_eos else ("stop_token", tok)
-                else:
-                    piece = detok.push(tok)
-                    if len(out_ids) == max_new:
-                        finish, why = "length", "max_new_tokens"
-                    elif len(prompt) + len(out_ids) >= self.capacity:  # vLLM's prompt + output <= max_model_len;
-                        finish, why = "length", "capacity"               # a turn's prompt holds its history
-                    if finish:
-                        piece += detok.flush()
-                text, hit = match.feed(piece)
-                if hit is not None:
-                    finish, why, stop_reason = "stop", "stop_string", hit
-                elif finish:
-                    text += match.flush()
-                ty = time.perf_counter()
-                yield Delta(text, [tok], finish, stop_reason)  # hand the text out before the next step computes
-                paused += time.perf_counter() - ty  # time the consumer held the stream is not decode time
-                if finish is None:
+            if out.token is None and out.logits is None:
+                raise EngineError(f"{ex.name} executor returned neither logits nor a token")
+            tok = sampler.choose(out)
+            t_first = time.perf_counter()
+            tm.ttft_ms = (t_first - t0) * 1e3
+            deltas = [emit(tok)]
+            if sp is not None:
+                self._ex()
+                sp.begin()
+            while True:
+                for d in deltas:
+                    ty = time.perf_counter()
+                    yield d  # hand the text out before the next step computes
+                    paused += time.perf_counter() - ty  # time the consumer held the stream is not decode time
+                if finish is not None:
+                    break
+                room = min(max_new - len(out_ids), self.capacity - len(prompt) - len(out_ids)) - 1
+                k = 0
+                if sp is not None:
+                    k = min(k_fixed if k_fixed is not None else sp.chooser.choose(MAX_DRAFTS), max(room, 0))
+                if k == 0:
+                    ts = time.perf_counter()
                     out = self._ex().step(tok)  # re-select the slot: another session may have run meanwhile
+                    if sp is not None:
+                        sp.step_observed((time.perf_counter() - ts) * 1e3)
                     self.ids.append(tok)
                     self._last = out
                     tm.steps += 1
+                    if out.token is None and out.logits is None:
+                        raise EngineError(f"{ex.name} executor returned neither logits nor a token")
+                    tok = sampler.choose(out)
+                    deltas = [emit(tok)]
+                    continue
+                self._ex()
+                emitted, logits, a = sp.round(tok, k, sampler)
+                tm.steps += 1
+                tm.rounds += 1
+                n = min(a + 1, k)
+                tried[1:n + 1] += 1
+                acc[1:a + 1] += 1
+                deltas = []
+                for e in emitted:  # a stop inside the accepted run truncates the run and the state
+                    deltas.append(emit(e))
+                    if finish is not None:
+                        break
+                rows = len(deltas)  # the pending token and the drafts before the last emitted token
+                sp.commit(rows, emitted[:rows])
+                self.ids += [tok] + emitted[:rows - 1]
+                self._last = StepOutput(logits=logits[rows - 1])
+                tok = emitted[rows - 1]
         except KeyboardInterrupt:
             back = self._rewind(len(self.ids))
             raise GenerationInterrupted(f"generation interrupted after {tokens_text(len(out_ids))}; " + (
@@ -359,6 +425,11 @@ class Session:
         tm.decode_ms = busy * 1e3
         if len(out_ids) > 1 and busy > 0:
             tm.decode_tokens_per_s = (len(out_ids) - 1) / busy
+            tm.ms_per_token = busy * 1e3 / (len(out_ids) - 1)
         tm.tokens_per_step = len(out_ids) / (1 + tm.steps)
+        if tm.rounds:
+            tm.tokens_per_round = (len(out_ids) - 1 - (tm.steps - tm.rounds)) / tm.rounds
+            last = int(np.max(np.flatnonzero(tried), initial=0))
+            tm.acceptance = [round(float(acc[i] / tried[i]), 4) for i in range(1, last + 1)]
         g._result = GenerationResult(match.text, out_ids, finish, stop_reason, why, tm, ex.name, ex.detail,
                                      sampler.seed, asdict(sampler.params), note, prompt)
