@@ -319,7 +319,6 @@ class Session:
     def _loop(self, g: Generation, prompt: list[int], max_new: int, stops: list[str], stop_set: set[int],
               sampler: Sampler, marks: list[int], spec_mode="off") -> Iterator[Delta]:
         ex = self.engine.executor
-        t0 = time.perf_counter()
         tm = Timings(prompt_tokens=len(prompt))
         detok, match = self.engine.new_detok(), _StopMatcher(stops)
         cfg_eos = set(self.engine.cfg.eos_token_ids)
@@ -351,7 +350,8 @@ class Session:
             return Delta(text, [tok], finish, stop_reason)
 
         try:
-            sp, k_fixed = self._spec(spec_mode, tm)
+            sp, k_fixed = self._spec(spec_mode, tm)  # the first use builds the MTP head: not in the timings
+            t0 = time.perf_counter()
             out, tm.reused_tokens, tm.prefilled_tokens, note = self._sync(prompt, marks)
             t1 = time.perf_counter()
             tm.prefill_ms = (t1 - t0) * 1e3
@@ -431,5 +431,6 @@ class Session:
             tm.tokens_per_round = (len(out_ids) - 1 - (tm.steps - tm.rounds)) / tm.rounds
             last = int(np.max(np.flatnonzero(tried), initial=0))
             tm.acceptance = [round(float(acc[i] / tried[i]), 4) for i in range(1, last + 1)]
+            tm.acceptance_counts = [[int(acc[i]), int(tried[i])] for i in range(1, last + 1)]
         g._result = GenerationResult(match.text, out_ids, finish, stop_reason, why, tm, ex.name, ex.detail,
                                      sampler.seed, asdict(sampler.params), note, prompt)
