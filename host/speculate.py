@@ -51,6 +51,8 @@ def parse_speculate(v) -> str | int:
 def unavailable(engine) -> str | None:
     """Why ``engine`` cannot speculate (a phrase), or None when it can: the cpu executor with an MTP head only."""
     ex = engine.executor
+    if ex.name == "cpu-vm":
+        return "the cpu-vm executor (the bit-exact reference) has no MTP draft; --executor cpu speculates"
     if ex.name != "cpu":
         return (f"the {ex.name} executor has no MTP draft yet (speculation runs on the cpu executor; the GPU paths "
                 "hold no MTP weights, issue #26)")
@@ -128,7 +130,7 @@ class KChooser:
         _, ms = self.expected()
         best = int(np.argmin(ms[:cap + 1]))
         if self.rounds % EXPLORE_EVERY == EXPLORE_EVERY - 1:
-            missing = [k for k in range(1, cap + 1) if np.isnan(self.verify_ms[k + 1])]
+            missing = [k for k in range(cap + 1) if np.isnan(self.verify_ms[k + 1])]
             return missing[0] if missing else min(best + 1, cap)
         return best
 

@@ -104,24 +104,31 @@ def test_forced_rejection_is_not_vacuous(engine):
         assert_same_state(ex._states[0], ex._states[1], "kept rejected rows")
 
 
-@pytest.mark.parametrize("spec", [2, 7, "auto"])
-def test_generate_matches_plain_with_stops_inside_runs(engine, spec):
+@pytest.fixture(scope="module")
+def plain_runs(engine):
+    """Plain greedy results: (prompt, the 32-token run, a stop id inside it, a stop string inside it, runs with them)."""
     prompt = engine.encode(PROMPT)
-    base = engine.generate(prompt, max_new_tokens=40, speculate="off").result()
-    r = engine.generate(prompt, max_new_tokens=40, speculate=spec).result()
+    base = engine.generate(prompt, max_new_tokens=32, speculate="off").result()
+    sid = base.ids[len(base.ids) // 2]
+    stop = base.text[len(base.text) // 3:len(base.text) // 3 + 3]
+    by_id = engine.generate(prompt, max_new_tokens=32, stop_ids=[sid], speculate="off").result()
+    by_text = engine.generate(prompt, max_new_tokens=32, stop=[stop], speculate="off").result()
+    return prompt, base, sid, stop, by_id, by_text
+
+
+@pytest.mark.parametrize("spec", [3, "auto"])
+def test_generate_matches_plain_with_stops_inside_runs(engine, plain_runs, spec):
+    prompt, base, sid, stop, by_id, by_text = plain_runs
+    r = engine.generate(prompt, max_new_tokens=32, speculate=spec).result()
     assert r.ids == base.ids and r.text == base.text
     assert r.timings.rounds > 0 and r.timings.tokens_per_round > 1 and r.timings.speculate == str(spec)
     for n in (1, 2, 13):                                        # max tokens: ends inside a round's run
         a = engine.generate(prompt, max_new_tokens=n, speculate=spec).result()
         assert a.ids == base.ids[:n] and a.finish_detail == "max_new_tokens"
-    sid = base.ids[len(base.ids) // 2]                          # a stop id inside the text
-    a = engine.generate(prompt, max_new_tokens=40, stop_ids=[sid], speculate=spec).result()
-    b = engine.generate(prompt, max_new_tokens=40, stop_ids=[sid], speculate="off").result()
-    assert a.ids == b.ids and a.ids[-1] == sid and a.finish_detail == "stop_token"
-    stop = base.text[len(base.text) // 3:len(base.text) // 3 + 3]
-    a = engine.generate(prompt, max_new_tokens=40, stop=[stop], speculate=spec).result()
-    b = engine.generate(prompt, max_new_tokens=40, stop=[stop], speculate="off").result()
-    assert (a.ids, a.text, a.finish_detail) == (b.ids, b.text, b.finish_detail) == (a.ids, a.text, "stop_string")
+    a = engine.generate(prompt, max_new_tokens=32, stop_ids=[sid], speculate=spec).result()
+    assert a.ids == by_id.ids and a.ids[-1] == sid and a.finish_detail == "stop_token"
+    a = engine.generate(prompt, max_new_tokens=32, stop=[stop], speculate=spec).result()
+    assert (a.ids, a.text, a.finish_detail) == (by_text.ids, by_text.text, "stop_string")
 
 
 def test_session_turns_keep_the_plain_state(engine):
