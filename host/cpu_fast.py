@@ -12,9 +12,13 @@ place of a dtype change). Weights are widened ONCE at construction: fp8 e4m3 × 
 in float32 (4 + 8 significant bits), bf16 widens exactly; fused row blocks as the engine streams them
 (GDN qkv|z|b|a, attention q|k|v, MLP gate|up). About 4 B per parameter: 0.31 GB for tiny, lm_head 254 MB of it.
 Prefill: chunked gated delta rule (chunks of 64 anchored at the call's first token, the 64-aligned cut of
-``ReferenceModel.prefill``), one causal softmax per query row. Decode: the recurrent rule per token, one softmax
-over the cache (the reference's split-KV two passes are the same function up to summation order).
-No MTP head (the executor never drafts).
+``ReferenceModel.prefill``), one causal softmax per query row. Decode (``path="step"``, M ≥ 1 rows): the recurrent
+rule per token, one softmax over the cache per row, every projection one BLAS GEMV per row and the lm_head GEMVs
+over fixed blocks of HEAD_BLOCK rows (``head_gemv``): a row's bits do not depend on how many rows the call has
+(OpenBLAS's GEMM gives a row different bits for different M), so an M = k + 1 verify pass of speculative decoding
+(``host.speculate``) gives each row exactly the bits of plain one-token decode. ``record=True`` keeps the GDN
+recurrent state after every row and the conv input rows in a replay ring allocated with the state, so
+``keep_rows`` rolls a partly accepted verify pass back exactly. The MTP head (draft model): ``host.cpu_mtp``.
 """
 from __future__ import annotations
 
@@ -29,6 +33,9 @@ from assembler.ref.numerics import BF16, f32
 from loader.config import ModelConfig
 
 F32 = np.float32
+
+HEAD_BLOCK = 8192     # lm_head rows per GEMV call (measured fastest of 1k..16k on the 2-core machine, M = 1 and 8)
+RING_ROWS = 8         # verify rows the replay ring holds (k ≤ 7 drafts + the pending token)
 
 # Tolerance against the reference (``agreement``; tests/cpu/test_cpu_fast.py): the oracle's self-disagreement
 # envelope of docs/tolerance.md, i.e. the fast path may differ from the reference no more than the transformers
@@ -64,6 +71,25 @@ def rmsnorm(x: np.ndarray, w1: np.ndarray, eps: float) -> np.ndarray:
     return rb(x * inv * w1)
 
 
+def mm_rows(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x [T, K] @ w.T for w [N, K] as one GEMV per row: row t's bits depend on x[t] and w only (not on T)."""
+    out = np.empty((x.shape[0], w.shape[0]), F32)
+    for t in range(x.shape[0]):
+        np.matmul(w, x[t], out=out[t])
+    return out
+
+
+def head_gemv(x: np.ndarray, w: np.ndarray, block: int = HEAD_BLOCK) -> np.ndarray:
+    """x [M, K] @ w.T for a tall w [N, K] (the lm_head): GEMVs over fixed blocks of ``block`` rows of w, every row of
+    x against a block while it is in cache. Row-invariant as ``mm_rows``; float32 [M, N]."""
+    out = np.empty((x.shape[0], w.shape[0]), F32)
+    for s in range(0, w.shape[0], block):
+        wb = w[s:s + block]
+        for m in range(x.shape[0]):
+            np.matmul(wb, x[m], out=out[m, s:s + block])
+    return out
+
+
 def dequantize_f32(w: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
     """Stored weight [N, K] (fp8 e4m3 with bf16 scale [ceil(N/128), K/128], or bf16 with None) → float32 [N, K],
     exact: fp32(w) · fp32(scale[n // 128, k // 128])."""
@@ -78,7 +104,10 @@ def dequantize_f32(w: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
 class FastState:
     """One session slot: K, V per full-attention layer [n_kv, capacity, head_dim] float32 (bf16 values; NaN at
     rows ≥ the high-water mark ``hw``), conv [kernel−1, conv_dim] float32 (oldest first, bf16 values) and rec
-    [n_v, d_k, d_v] float32 per GDN layer, ``pos`` tokens processed, ``hidden`` final-normed rows of the last call."""
+    [n_v, d_k, d_v] float32 per GDN layer, ``pos`` tokens processed, ``hidden`` final-normed rows of the last call.
+    For the MTP draft (``host.cpu_mtp``): ``toks`` [capacity] the ids run at each position, ``hid`` [capacity, H] their
+    final-normed hidden rows, MTP K/V [n_kv, capacity, head_dim] and ``mtp_pos`` (positions whose step-1 MTP row is
+    in the MTP cache). ``ring``: the replay ring of the last recorded step call (``FastModel.keep_rows``)."""
 
     capacity: int
     pos: int = 0
@@ -88,6 +117,12 @@ class FastState:
     conv: dict = field(default_factory=dict)
     rec: dict = field(default_factory=dict)
     hidden: np.ndarray | None = None
+    toks: np.ndarray | None = None
+    hid: np.ndarray | None = None
+    mtp_k: np.ndarray | None = None
+    mtp_v: np.ndarray | None = None
+    mtp_pos: int = 0
+    ring: dict | None = None
 
     def clear(self) -> None:
         """Back to an empty state in place (NaN over the rows written since the last clear, zeros elsewhere)."""
@@ -97,8 +132,10 @@ class FastState:
         for d in (self.conv, self.rec):
             for a in d.values():
                 a[...] = 0
-        self.pos = self.hw = 0
+        self.pos = self.hw = self.mtp_pos = 0
         self.hidden = None
+        if self.ring is not None:
+            self.ring["rows"] = 0
 
 
 class FastModel:
@@ -161,23 +198,54 @@ class FastModel:
         for i in c.linear_layers:
             st.conv[i] = np.zeros((c.linear_conv_kernel_dim - 1, c.gdn_conv_dim), F32)
             st.rec[i] = np.zeros((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim), F32)
+        st.toks = np.zeros(capacity, np.int64)
+        st.hid = np.zeros((capacity, c.hidden_size), F32)
+        kw = c.linear_conv_kernel_dim
+        st.ring = {"rows": 0, "base": 0,
+                   "rec": {i: np.empty((RING_ROWS,) + a.shape, F32) for i, a in st.rec.items()},
+                   "seq": {i: np.empty((kw - 1 + RING_ROWS, c.gdn_conv_dim), F32) for i in c.linear_layers}}
         return st
 
+    def keep_rows(self, st: FastState, n: int) -> None:
+        """Roll the state back to the first ``n`` rows of the last recorded step call (``forward(..., record=True)``):
+        GDN recurrent and conv state from the replay ring (the bits they had after row n − 1), ``pos`` = its first
+        position + n, K/V rows past it poisoned with NaN again (as a state that never saw them), ``hidden`` its
+        first n rows. No allocation. Raises ValueError when n is outside [1, rows recorded]."""
+        r = st.ring
+        if not 1 <= n <= r["rows"]:
+            raise ValueError(f"keep_rows: {n} rows asked, the ring holds {r['rows']}")
+        kw = self.cfg.linear_conv_kernel_dim
+        for i in st.rec:
+            st.rec[i][...] = r["rec"][i][n - 1]
+            st.conv[i][...] = r["seq"][i][n:n + kw - 1]
+        end = r["base"] + r["rows"]
+        st.pos = r["base"] + n
+        for d in (st.k, st.v):
+            for a in d.values():
+                a[:, st.pos:end] = np.nan
+        st.hidden = st.hidden[:n]
+        st.mtp_pos = min(st.mtp_pos, max(st.pos - 1, 0))
+        r["rows"] = 0
+
     # ------------------------------------------------------------------ mixers
-    def _gdn(self, L: dict, st: FastState, li: int, h: np.ndarray, path: str) -> np.ndarray:
+    def _gdn(self, L: dict, st: FastState, li: int, h: np.ndarray, path: str, record: bool = False) -> np.ndarray:
         c = self.cfg
         T = h.shape[0]
         kd, vd, nv = c.gdn_key_dim, c.gdn_value_dim, c.linear_num_value_heads
         nk, dk = c.linear_num_key_heads, c.linear_key_head_dim
         C = c.gdn_conv_dim
-        y = rb(h @ L["in"].T)                                                    # [T, C | vd | nv | nv]
+        y = rb(mm_rows(h, L["in"]) if path == "step" else h @ L["in"].T)        # [T, C | vd | nv | nv]
         qkv, z, b, a = y[:, :C], y[:, C:C + vd], y[:, C + vd:C + vd + nv], y[:, C + vd + nv:]
-        seq = np.concatenate([st.conv[li], qkv])                                 # [kw-1+T, C] oldest first
         w, kw = L["conv_w"], L["conv_w"].shape[0]
+        if record:                                                               # the ring keeps the conv inputs
+            seq = st.ring["seq"][li][:kw - 1 + T]
+            seq[:kw - 1], seq[kw - 1:] = st.conv[li], qkv
+        else:
+            seq = np.concatenate([st.conv[li], qkv])                             # [kw-1+T, C] oldest first
         acc = seq[0:T] * w[0]
         for j in range(1, kw):
             acc += seq[j:j + T] * w[j]
-        st.conv[li] = np.ascontiguousarray(seq[-(kw - 1):])
+        st.conv[li][...] = seq[-(kw - 1):]
         y = rb(silu(rb(acc)))
         xa = a + L["dt_bias"]
         g = L["A"] * np.where(xa > 20.0, xa, np.log1p(np.exp(np.minimum(xa, F32(20.0)))))   # [T, nv] fp32
@@ -200,48 +268,78 @@ class FastModel:
                 delta = (v[t] - kv) * beta[t][:, None]
                 S += k[t][:, :, None] * delta[:, None, :]
                 outs.append(np.matmul(q[t][:, None, :], S)[:, 0])
+                if record:
+                    st.ring["rec"][li][t] = S
             o = rb(np.stack(outs))
         n = rb(o * (F32(1.0) / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + F32(c.rms_norm_eps))))
         n = rb(L["gnorm"] * n)
         return rb(n * silu(z.reshape(T, nv, -1))).reshape(T, vd)
 
-    def _attn(self, L: dict, st: FastState, li: int, h: np.ndarray, pos0: int, cs) -> np.ndarray:
+    def _attn(self, L: dict, K: np.ndarray, V: np.ndarray, h: np.ndarray, pos0: int, cs, path: str) -> np.ndarray:
+        """Gated attention of rows at positions pos0.. over K, V [n_kv, capacity, hd] (their K/V written there).
+        ``step``: each row alone over keys [0, its position] (the bits of a one-row call); ``chunk``: all rows in
+        one masked softmax per KV head."""
         c = self.cfg
         T = h.shape[0]
         nq, nkv, hd, G = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.gqa_group
-        y = rb(h @ L["in"].T)                                                    # [T, 2·nq·hd | nkv·hd | nkv·hd]
+        y = rb(mm_rows(h, L["in"]) if path == "step" else h @ L["in"].T)        # [T, 2·nq·hd | nkv·hd | nkv·hd]
         qh = y[:, :2 * nq * hd].reshape(T, nq, 2 * hd)
         gate = qh[..., hd:].reshape(T, nq * hd)
         kv0 = 2 * nq * hd
         q = _rope(rmsnorm(qh[..., :hd], L["q_norm"], c.rms_norm_eps), *cs)
         k = _rope(rmsnorm(y[:, kv0:kv0 + nkv * hd].reshape(T, nkv, hd), L["k_norm"], c.rms_norm_eps), *cs)
-        K, V, end = st.k[li], st.v[li], pos0 + T
+        end = pos0 + T
         K[:, pos0:end] = k.transpose(1, 0, 2)
         V[:, pos0:end] = y[:, kv0 + nkv * hd:].reshape(T, nkv, hd).transpose(1, 0, 2)
-        st.hw = max(st.hw, end)
-        scale = F32(hd ** -0.5)
-        future = (np.arange(end)[None, :] > (pos0 + np.arange(T))[:, None])[:, None, :]  # [T, 1, L] keys after t
         o = np.empty((T, nq, hd), F32)
-        for kh in range(nkv):
+        if path == "step":
+            for t in range(T):
+                o[t] = self._attn_rows(q[t:t + 1], K, V, pos0 + t + 1, None)[0]
+        else:
+            future = (np.arange(end)[None, :] > (pos0 + np.arange(T))[:, None])[:, None, :]  # [T, 1, L] keys after t
+            o[...] = self._attn_rows(q, K, V, end, future if T > 1 else None)
+        return rb(o.reshape(T, nq * hd) * rb(sigmoid(gate)))
+
+    def _attn_rows(self, q: np.ndarray, K: np.ndarray, V: np.ndarray, end: int, future) -> np.ndarray:
+        """Softmax attention of q [T, nq, hd] over keys [0, end), ``future`` [T, 1, end] masking keys after a row."""
+        c = self.cfg
+        T, nq, hd = q.shape
+        G = c.gqa_group
+        scale = F32(hd ** -0.5)
+        o = np.empty((T, nq, hd), F32)
+        for kh in range(c.num_key_value_heads):
             qg = q[:, kh * G:(kh + 1) * G].reshape(T * G, hd)                    # rows (t, g)
             s = rb(rb(qg @ K[kh, :end].T) * scale).reshape(T, G, end)
-            if T > 1:
+            if future is not None:
                 s = np.where(future, -np.inf, s).astype(F32)
             e = np.exp(s - s.max(-1, keepdims=True))
             p = rb(e / e.sum(-1, keepdims=True)).reshape(T * G, end)
             o[:, kh * G:(kh + 1) * G] = rb(p @ V[kh, :end]).reshape(T, G, hd)
-        return rb(o.reshape(T, nq * hd) * rb(sigmoid(gate)))
+        return o
 
     # ------------------------------------------------------------------ the model
     def logits(self, hidden: np.ndarray) -> np.ndarray:
-        """lm_head on final-normed rows [M, H] float32 → logits [M, V] bf16."""
-        return (hidden @ self.lm_head.T).astype(BF16)
+        """lm_head on final-normed rows [M, H] float32 → logits [M, V] bf16 (``head_gemv``: row-invariant)."""
+        return head_gemv(np.ascontiguousarray(hidden), self.lm_head).astype(BF16)
 
-    def forward(self, st: FastState, ids, path: str, logit_rows=None) -> np.ndarray | None:
+    def block(self, L: dict, x: np.ndarray, mix, path: str) -> np.ndarray:
+        """One decoder layer on x [T, H]: ``mix(normed x)`` is the token mixer (GDN or attention), then o-proj +
+        residual, SwiGLU MLP + residual, at the reference's bf16 rounding points."""
+        eps = self.cfg.rms_norm_eps
+        mul = mm_rows if path == "step" else (lambda a, w: a @ w.T)
+        o = mix(rmsnorm(x, L["in_norm"], eps))
+        x = rb(rb(mul(o, L["out"])) + x)
+        gu = mul(rmsnorm(x, L["post_norm"], eps), L["gate_up"])
+        F = gu.shape[1] // 2
+        h = rb(rb(silu(rb(gu[:, :F]))) * rb(gu[:, F:]))
+        return rb(rb(mul(h, L["down"])) + x)
+
+    def forward(self, st: FastState, ids, path: str, logit_rows=None, record: bool = False) -> np.ndarray | None:
         """Run ids [T] at positions st.pos.. through every layer; ``path`` 'chunk' (prefill) or 'step' (recurrent
-        GDN per token). Returns logits [len(logit_rows) or T, V] bf16, or None for ``logit_rows="none"``; the
-        final-normed rows stay in ``st.hidden``. Raises ValueError for no ids, ids outside [0, V), or a position
-        past the capacity."""
+        GDN per token, row-invariant bits). Returns logits [len(logit_rows) or T, V] bf16, or None for
+        ``logit_rows="none"``; the final-normed rows stay in ``st.hidden`` (and ``st.hid``, the ids in ``st.toks``).
+        ``record`` (step path, T ≤ RING_ROWS): keep the replay ring for ``keep_rows``. Raises ValueError for no ids,
+        ids outside [0, V), or a position past the capacity."""
         c = self.cfg
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size < 1 or ids.min() < 0 or ids.max() >= self.embed_table.shape[0]:
@@ -249,6 +347,8 @@ class FastModel:
         pos0, T, eps = st.pos, ids.size, c.rms_norm_eps
         if pos0 + T > st.capacity:
             raise ValueError(f"forward: capacity {st.capacity} exceeded at position {pos0 + T}")
+        if record and (path != "step" or T > RING_ROWS):
+            raise ValueError(f"forward: record needs the step path and at most {RING_ROWS} rows, got {path} × {T}")
         cos, sin = rope_cos_sin(np.arange(pos0, pos0 + T), c, self.theta)
         cs = (f32(cos)[:, None, :], f32(sin)[:, None, :])
         x = f32(self.embed_table[ids])
@@ -256,18 +356,17 @@ class FastModel:
             for li, L in enumerate(self.layers):
                 if li in self.skip:
                     continue
-                hn = rmsnorm(x, L["in_norm"], eps)
                 if li in c.linear_layers:
-                    o = self._gdn(L, st, li, hn, path)
+                    mix = lambda hn, L=L, li=li: self._gdn(L, st, li, hn, path, record)  # noqa: E731
                 else:
-                    o = self._attn(L, st, li, hn, pos0, cs)
-                x = rb(rb(o @ L["out"].T) + x)
-                gu = rmsnorm(x, L["post_norm"], eps) @ L["gate_up"].T
-                F = gu.shape[1] // 2
-                h = rb(rb(silu(rb(gu[:, :F]))) * rb(gu[:, F:]))
-                x = rb(rb(h @ L["down"].T) + x)
+                    mix = lambda hn, L=L, li=li: self._attn(L, st.k[li], st.v[li], hn, pos0, cs, path)  # noqa: E731
+                x = self.block(L, x, mix, path)
+        st.hw = max(st.hw, pos0 + T)
         st.pos = pos0 + T
         st.hidden = rmsnorm(x, self.final_norm, eps)
+        st.hid[pos0:pos0 + T], st.toks[pos0:pos0 + T] = st.hidden, ids
+        if record:
+            st.ring["rows"], st.ring["base"] = T, pos0
         if isinstance(logit_rows, str) and logit_rows == "none":
             return None
         return self.logits(st.hidden if logit_rows is None else st.hidden[np.asarray(logit_rows)])
@@ -290,9 +389,10 @@ class FastModel:
             return None
         return self.logits(st.hidden if logit_rows is None else st.hidden[np.asarray(logit_rows)])
 
-    def decode(self, st: FastState, ids) -> np.ndarray:
-        """Generation path: ids [M] (a scalar is M = 1) at positions st.pos.. → logits [M, V] bf16."""
-        return self.forward(st, ids, "step")
+    def decode(self, st: FastState, ids, record: bool = False) -> np.ndarray:
+        """Generation / verify path: ids [M] (a scalar is M = 1) at positions st.pos.. → logits [M, V] bf16, each
+        row bit-identical to decoding its token alone after the rows before it; ``record`` keeps the replay ring."""
+        return self.forward(st, ids, "step", record=record)
 
 
 def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

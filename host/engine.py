@@ -187,7 +187,7 @@ class Engine:
              **kw) -> Generation:
         """Render ``messages`` with the chat template and generate in a fresh session (``Session.generate`` args:
         max_new_tokens, temperature, top_k, top_p, min_p, seed, stop, stop_ids, logprobs, tool_choice,
-        response_format, tool_grammar). ``tools`` are rendered into the system turn and parse the reply's tool
+        response_format, tool_grammar, speculate). ``tools`` are rendered into the system turn and parse the reply's tool
         calls; the reply starts in reasoning when ``enable_thinking``. Holds a slot only while it runs, as
         :meth:`generate`."""
         ids, marks = render_turn(self, messages, tools, enable_thinking)

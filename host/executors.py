@@ -129,7 +129,8 @@ class CpuExecutor(Executor):
     fp8 × block scale dequantised to float32, BLAS matmuls; about 0.31 GB for tiny, lm_head 254 MB of it).
 
     Prefill: chunked GDN (chunks of 64 anchored at the call's first token), lm_head on the last row only. Decode:
-    the recurrent GDN step and one softmax over the cache per token. Not bit-identical to the reference: every
+    the recurrent GDN step and one softmax over the cache per token, row-invariant, so the M = k + 1 verify pass of
+    speculative decoding (``host.speculate``, the only executor that speculates) gives plain decode's bits. Not bit-identical to the reference: every
     sum is float32 instead of the reference's float64, at the same bf16 rounding points; it agrees with
     ``ReferenceModel`` within the tolerance of ``tests/cpu/test_cpu_fast.py``. For bit identity with the
     reference use the ``cpu-vm`` executor (CpuVmExecutor). Logits come back as bf16 [V] (padding rows included;
@@ -197,6 +198,9 @@ class CpuExecutor(Executor):
         st.conv = {i: a.copy() for i, a in snap["conv"].items()}
         st.rec = {i: a.copy() for i, a in snap["rec"].items()}
         st.hidden = None
+        st.mtp_pos = min(st.mtp_pos, max(st.pos - 1, 0))  # MTP row t needs the id at t + 1: still in the state
+        if st.ring is not None:
+            st.ring["rows"] = 0
 
 
 class CpuVmExecutor(Executor):

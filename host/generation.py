@@ -47,7 +47,13 @@ class Timings:
     reused_tokens: int = 0           # prompt tokens already in the session's state
     prefilled_tokens: int = 0        # tokens run through prefill (re-runs from a checkpoint included)
     generated_tokens: int = 0
-    steps: int = 0                   # executor.step calls
+    steps: int = 0                   # model passes after the first token (executor steps + verify passes)
+    rounds: int = 0                  # speculative rounds (draft k, verify k + 1 rows in one pass)
+    tokens_per_round: float | None = None   # tokens emitted per speculative round; None without rounds
+    acceptance: list = field(default_factory=list)  # per draft position i: accepted / proposed (drafts < i accepted)
+    acceptance_counts: list = field(default_factory=list)  # per draft position i: [accepted, proposed]
+    ms_per_token: float | None = None  # decode time per emitted token after the first (1000 / decode_tokens_per_s)
+    speculate: str = "off"           # the speculation that ran: off, auto, K, or "off (why; plain decode)"
 
 
 @dataclass

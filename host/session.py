@@ -29,6 +29,7 @@ CKPT_ALIGN = 64        # GDN prefill chunk: state checkpoints sit on multiples o
 PREFILL_PIECE = 256    # longest prefill call (a multiple of CKPT_ALIGN): bounds the [T, V] logits the CPU path makes
 MAX_CHECKPOINTS = 8    # state snapshots kept per session (the newest)
 MAX_TOP_LOGPROBS = 20  # most alternatives per token ``logprobs=`` may ask for (OpenAI's top_logprobs limit)
+MAX_DRAFTS = 7         # speculative decoding: drafts per round at most (host.speculate.MAX_K)
 
 
 def validate_ids(ids: Sequence[int], vocab_size: int, what: str = "prompt", allow_empty: bool = False) -> list[int]:
@@ -109,7 +110,7 @@ def prepare(engine, prompt_ids: Sequence[int], *, max_new_tokens: int | None = N
             stop: Sequence[str] | None = (), stop_ids: Sequence[int] | None = None,
             checkpoint_at: Sequence[int] = (), tools: list | None = None, tool_choice=None,
             response_format: dict | None = None, reasoning: bool = False, tool_grammar: bool = True,
-            min_p: float | None = None, logprobs: int | None = None) -> tuple:
+            min_p: float | None = None, logprobs: int | None = None, speculate=None) -> tuple:
     """Every check of ``Session.generate`` that needs no slot (its arguments and raises, the session's own state
     aside), done before any work; returns the arguments of ``Session._loop`` after the Generation. Shared with the
     one-shot ``Engine.generate`` / ``chat``, which take a slot only when their Generation starts. The agent
@@ -139,8 +140,10 @@ def prepare(engine, prompt_ids: Sequence[int], *, max_new_tokens: int | None = N
     max_new = check_generation_args(params, max_new_tokens, engine.executor.capacity, cfg.max_position_embeddings)
     plan = plan_reply(engine, tools=tools, tool_choice=tool_choice, response_format=response_format,
                       reasoning=reasoning, tool_grammar=tool_grammar)
+    from host.speculate import parse_speculate
+    spec = parse_speculate(speculate)
     return (prompt, max_new, list(stop), stop_set, Sampler(params), [int(m) for m in checkpoint_at], plan,
-            None if logprobs is None else int(logprobs))
+            None if logprobs is None else int(logprobs), spec)
 
 
 def render_turn(engine, messages: list[dict], tools: list[dict] | None,
@@ -276,7 +279,7 @@ class Session:
                  checkpoint_at: Sequence[int] = (), tools: list | None = None, tool_choice=None,
                  response_format: dict | None = None, reasoning: bool = False,
                  tool_grammar: bool = True, min_p: float | None = None,
-                 logprobs: int | None = None) -> Generation:
+                 logprobs: int | None = None, speculate=None) -> Generation:
         """Continue the conversation whose whole token stream is ``prompt_ids``; returns a streaming Generation.
 
         Stops on ``stop_ids`` (default: the config's eos ids 248046, 248044), on any ``stop`` string matched on
@@ -297,6 +300,11 @@ class Session:
         ``chat`` passes ``enable_thinking``), ``tool_grammar`` (constrain tool calls with xgrammar; default True).
         A grammar masks every step's logits, greedy included (``host.grammar``); the result carries
         ``reasoning_content``, ``content``, ``tool_calls``, ``invalid_tool_calls`` (GenerationResult).
+        ``speculate``: ``"off"``, ``"auto"`` (k chosen per round by measurement) or K drafts per round (0..7; 0 =
+        off); None = ``host.speculate.DEFAULT_SPECULATE``. MTP speculative decoding (docs/speculation.md): greedy
+        output is identical to plain decoding; sampled output has the same distribution (not the same draws for a
+        seed). Where the executor cannot speculate (the GPU executors, a model without an MTP head, a grammar or ``logprobs`` in force) it decodes
+        plainly and ``timings.speculate`` says why.
 
         Raises, before any work: EmptyPrompt (no ids); InvalidTokenId (an id outside the vocabulary or a padding
         id, in the prompt or ``stop_ids``); PromptTooLong (the prompt leaves no room in ``capacity``
@@ -320,7 +328,7 @@ class Session:
         job = prepare(self.engine, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                       top_p=top_p, seed=seed, stop=stop, stop_ids=stop_ids, checkpoint_at=checkpoint_at,
                       tools=tools, tool_choice=tool_choice, response_format=response_format, reasoning=reasoning,
-                      tool_grammar=tool_grammar, min_p=min_p, logprobs=logprobs)
+                      tool_grammar=tool_grammar, min_p=min_p, logprobs=logprobs, speculate=speculate)
         g = Generation(lambda g: self._loop(g, *job))
         self._pending = weakref.ref(g)
         return g
@@ -333,73 +341,141 @@ class Session:
         ids, marks = render_turn(self.engine, messages, tools, enable_thinking)
         return self.generate(ids, checkpoint_at=marks, tools=tools, reasoning=enable_thinking, **kw)
 
+    def _spec(self, mode, tm: Timings, plain: str | None = None):
+        """(Speculator or None, fixed k or None for auto) for ``mode``; ``tm.speculate`` records what runs.
+        ``plain``: a reason of this generation's to decode plainly (a grammar, ``logprobs``)."""
+        if mode == "off":
+            tm.speculate = "off"
+            return None, None
+        if plain is not None:
+            tm.speculate = f"off ({plain}; plain decode)"
+            return None, None
+        from host.speculate import speculator, unavailable
+        why = unavailable(self.engine)
+        if why is not None:
+            tm.speculate = f"off ({why}; plain decode)"
+            return None, None
+        sp = speculator(self.engine)
+        tm.speculate = str(mode)
+        return sp, (None if mode == "auto" else int(mode))
+
     def _loop(self, g: Generation, prompt: list[int], max_new: int, stops: list[str], stop_set: set[int],
-              sampler: Sampler, marks: list[int], plan: ReplyPlan,
-              n_logprobs: int | None = None) -> Iterator[Delta]:
+              sampler: Sampler, marks: list[int], plan: ReplyPlan, n_logprobs: int | None = None,
+              spec_mode="off") -> Iterator[Delta]:
         ex = self.engine.executor
-        t0 = time.perf_counter()
         tm = Timings(prompt_tokens=len(prompt))
         detok, match = self.engine.new_detok(), _StopMatcher(stops)
         reply, gram = plan.parser(self.engine.tokenizer, stops), plan.constraint(self.engine.cfg.vocab_size)
         cfg_eos = set(self.engine.cfg.eos_token_ids)
         out_ids: list[int] = []
         paused = 0.0
+        finish, why, stop_reason = None, "", None
+        tried, acc = np.zeros(8, np.int64), np.zeros(8, np.int64)   # this generation, draft positions 1..7
+
+        def choose(out: StepOutput) -> int | None:
+            """The next id for a step's output under the grammar's mask; None when the grammar admits nothing
+            (the turn ends with finish reason ``grammar_dead_end``)."""
+            nonlocal finish, why
+            if out.token is None and out.logits is None:
+                raise EngineError(f"{ex.name} executor returned neither logits nor a token")
+            allowed = gram.allowed() if gram is not None else None
+            if allowed is not None and not allowed.any():
+                finish, why = "grammar_dead_end", "grammar_dead_end"
+                return None
+            return sampler.choose(out, allowed)
+
+        def dead_end() -> Delta:
+            """The last Delta of a turn the grammar ended: the held-back text and the reply parser's rest."""
+            text, _ = match.feed(detok.flush())
+            return self._delta(text + match.flush(), [], finish, None, reply.finish())
+
+        def emit(tok: int, out: StepOutput | None = None) -> Delta:
+            """Account for one emitted token: grammar, stop ids, max tokens, capacity, stop strings, the reply's
+            reasoning / content / tool calls, its log-probabilities from ``out`` (the step that chose it; with
+            ``logprobs`` asked for, speculation is off, so every token has one); its Delta."""
+            nonlocal finish, why, stop_reason
+            lps = None if n_logprobs is None else [(tok, *token_logprobs(out.logits, tok, n_logprobs))]
+            out_ids.append(tok)
+            if gram is not None and not gram.accept(tok):  # the mask admitted it: a bug, not bad input
+                raise EngineError(f"grammar refused token {tok}, which its own mask admitted")
+            ended = gram is not None and gram.terminated
+            if tok in stop_set or (ended and tok in cfg_eos):
+                finish, piece = "stop", detok.flush()
+                why, stop_reason = ("eos", None) if tok in cfg_eos else ("stop_token", tok)
+            else:
+                piece = detok.push(tok)
+                if len(out_ids) == max_new:
+                    finish, why = "length", "max_new_tokens"
+                elif len(prompt) + len(out_ids) >= self.capacity:  # vLLM's prompt + output <= max_model_len;
+                    finish, why = "length", "capacity"               # a turn's prompt holds its history
+                if finish:
+                    piece += detok.flush()
+            text, hit = match.feed(piece)
+            if hit is not None:
+                finish, why, stop_reason = "stop", "stop_string", hit
+            elif finish:
+                text += match.flush()
+            pieces = reply.feed(tok)
+            if finish:
+                pieces = _merge(pieces, reply.finish())
+                if finish == "stop" and why == "eos" and reply.ends_with_calls:
+                    finish = "tool_calls"
+            return self._delta(text, [tok], finish, stop_reason, pieces, lps)
+
         try:
+            plain = ("a grammar constrains the output" if gram is not None
+                     else "logprobs were asked for" if n_logprobs is not None else None)
+            sp, k_fixed = self._spec(spec_mode, tm, plain)  # the first use builds the MTP head: not in the timings
+            t0 = time.perf_counter()
             out, tm.reused_tokens, tm.prefilled_tokens, note = self._sync(prompt, marks)
             t1 = time.perf_counter()
             tm.prefill_ms = (t1 - t0) * 1e3
-            finish, why, stop_reason = None, "", None
-            while finish is None:
-                if out.token is None and out.logits is None:
-                    raise EngineError(f"{ex.name} executor returned neither logits nor a token")
-                allowed = gram.allowed() if gram is not None else None
-                if allowed is not None and not allowed.any():  # the grammar admits nothing: end the turn here
-                    finish, why = "grammar_dead_end", "grammar_dead_end"
-                    if not out_ids:
-                        t_first = time.perf_counter()
-                        tm.ttft_ms = (t_first - t0) * 1e3
-                    text, _ = match.feed(detok.flush())
-                    text += match.flush()
-                    yield self._delta(text, [], finish, None, reply.finish())
+            tok = choose(out)
+            t_first = time.perf_counter()
+            tm.ttft_ms = (t_first - t0) * 1e3
+            deltas = [emit(tok, out) if tok is not None else dead_end()]
+            if sp is not None:
+                self._ex()
+                sp.begin()
+            while True:
+                for d in deltas:
+                    ty = time.perf_counter()
+                    yield d  # hand the text out before the next step computes
+                    paused += time.perf_counter() - ty  # time the consumer held the stream is not decode time
+                if finish is not None:
                     break
-                tok = sampler.choose(out, allowed)
-                lps = None if n_logprobs is None else [(tok, *token_logprobs(out.logits, tok, n_logprobs))]
-                if not out_ids:
-                    t_first, paused = time.perf_counter(), 0.0
-                    tm.ttft_ms = (t_first - t0) * 1e3
-                out_ids.append(tok)
-                if gram is not None and not gram.accept(tok):  # the mask admitted it: a bug, not bad input
-                    raise EngineError(f"grammar refused token {tok}, which its own mask admitted")
-                ended = gram is not None and gram.terminated
-                if tok in stop_set or (ended and tok in cfg_eos):
-                    finish, piece = "stop", detok.flush()
-                    why, stop_reason = ("eos", None) if tok in cfg_eos else ("stop_token", tok)
-                else:
-                    piece = detok.push(tok)
-                    if len(out_ids) == max_new:
-                        finish, why = "length", "max_new_tokens"
-                    elif len(prompt) + len(out_ids) >= self.capacity:  # vLLM's prompt + output <= max_model_len;
-                        finish, why = "length", "capacity"               # a turn's prompt holds its history
-                    if finish:
-                        piece += detok.flush()
-                text, hit = match.feed(piece)
-                if hit is not None:
-                    finish, why, stop_reason = "stop", "stop_string", hit
-                elif finish:
-                    text += match.flush()
-                pieces = reply.feed(tok)
-                if finish:
-                    pieces = _merge(pieces, reply.finish())
-                    if finish == "stop" and why == "eos" and reply.ends_with_calls:
-                        finish = "tool_calls"
-                ty = time.perf_counter()
-                yield self._delta(text, [tok], finish, stop_reason, pieces, lps)  # out before the next step
-                paused += time.perf_counter() - ty  # time the consumer held the stream is not decode time
-                if finish is None:
+                room = min(max_new - len(out_ids), self.capacity - len(prompt) - len(out_ids)) - 1
+                k = 0
+                if sp is not None:
+                    k = min(k_fixed if k_fixed is not None else sp.chooser.choose(MAX_DRAFTS), max(room, 0))
+                if k == 0:
+                    ts = time.perf_counter()
                     out = self._ex().step(tok)  # re-select the slot: another session may have run meanwhile
+                    if sp is not None:
+                        sp.step_observed((time.perf_counter() - ts) * 1e3)
                     self.ids.append(tok)
                     self._last = out
                     tm.steps += 1
+                    tok = choose(out)
+                    deltas = [emit(tok, out) if tok is not None else dead_end()]
+                    continue
+                self._ex()
+                emitted, logits, a = sp.round(tok, k, sampler)
+                tm.steps += 1
+                tm.rounds += 1
+                n = min(a + 1, k)
+                tried[1:n + 1] += 1
+                acc[1:a + 1] += 1
+                deltas = []
+                for e in emitted:  # a stop inside the accepted run truncates the run and the state
+                    deltas.append(emit(e))
+                    if finish is not None:
+                        break
+                rows = len(deltas)  # the pending token and the drafts before the last emitted token
+                sp.commit(rows, emitted[:rows])
+                self.ids += [tok] + emitted[:rows - 1]
+                self._last = StepOutput(logits=logits[rows - 1])
+                tok = emitted[rows - 1]
         except KeyboardInterrupt:
             back = self._rewind(len(self.ids))
             raise GenerationInterrupted(f"generation interrupted after {tokens_text(len(out_ids))}; " + (
@@ -420,7 +496,13 @@ class Session:
         tm.decode_ms = busy * 1e3
         if len(out_ids) > 1 and busy > 0:
             tm.decode_tokens_per_s = (len(out_ids) - 1) / busy
+            tm.ms_per_token = busy * 1e3 / (len(out_ids) - 1)
         tm.tokens_per_step = len(out_ids) / (1 + tm.steps)
+        if tm.rounds:
+            tm.tokens_per_round = (len(out_ids) - 1 - (tm.steps - tm.rounds)) / tm.rounds
+            last = int(np.max(np.flatnonzero(tried), initial=0))
+            tm.acceptance = [round(float(acc[i] / tried[i]), 4) for i in range(1, last + 1)]
+            tm.acceptance_counts = [[int(acc[i]), int(tried[i])] for i in range(1, last + 1)]
         g._result = GenerationResult(match.text, out_ids, finish, stop_reason, why, tm, ex.name, ex.detail,
                                      sampler.seed, asdict(sampler.params), note, prompt,
                                      reply.reasoning_content, reply.content, reply.tool_calls,

@@ -56,6 +56,18 @@ class FiniteFloatRange(click.FloatRange):
         return rv
 
 
+class SpeculateType(click.ParamType):
+    """``off`` | ``auto`` | an integer 0..7 (0 = off), as ``host.speculate.parse_speculate`` takes it."""
+
+    name = "off|auto|K"
+
+    def convert(self, value, param, ctx):
+        v = str(value).strip()
+        if v in ("off", "auto") or (v.isdigit() and 0 <= int(v) <= 7):
+            return v if not v.isdigit() else int(v)
+        self.fail(f"{value!r} is not off, auto or a number of drafts 0..7.", param, ctx)
+
+
 def sampling_options(f):
     """Sampling and stopping options, shared by generate and chat. Their declared ranges are those of
     ``host.sampling.SamplingParams`` (which still checks them for API callers): a value outside is click's usage
@@ -76,6 +88,10 @@ def sampling_options(f):
         click.option("--seed", type=click.IntRange(min=0), default=None, help="Sampling seed (printed when drawn)."),
         click.option("--stop", multiple=True, help="Stop string (repeatable); not emitted."),
         click.option("--no-think", is_flag=True, help="Render the prompt with enable_thinking=False."),
+        click.option("--speculate", type=SpeculateType(), default=None, show_default="off",
+                     help="MTP speculative decoding: off, auto (k chosen by measurement) or K drafts per round "
+                          "(1..7); greedy output is identical to off. cpu executor only; elsewhere plain decode "
+                          "with the reason in the timing line (docs/speculation.md)."),
     ]):
         f = opt(f)
     return f
@@ -168,7 +184,7 @@ def print_calls(r) -> None:
 
 def gen_kwargs(kw: dict) -> dict:
     return dict(max_new_tokens=kw["max_new_tokens"], temperature=kw["temperature"], top_k=kw["top_k"],
-                top_p=kw["top_p"], seed=kw["seed"], stop=list(kw["stop"]))
+                top_p=kw["top_p"], seed=kw["seed"], stop=list(kw["stop"]), speculate=kw["speculate"])
 
 
 def check_model_args(kw: dict) -> None:
@@ -281,7 +297,14 @@ def timing_line(r) -> str:
     if t.decode_tokens_per_s:
         dec += f" at {t.decode_tokens_per_s:.2f} tok/s ({1e3 / t.decode_tokens_per_s:.1f} ms/tok)"
     seed = f" | seed {r.seed}" if r.sampling.get("temperature", 0) >= SAMPLING_EPS else ""  # drawn when sampling
-    return (f"[{pre} | ttft {t.ttft_ms:.1f} ms | {dec} | {t.tokens_per_step:.2f} tok/step | "
+    spec = ""
+    if t.rounds:
+        acc = " ".join(f"{a:.2f}" for a in t.acceptance)
+        spec = (f" | speculate {t.speculate}: {t.rounds} rounds, {t.tokens_per_round:.2f} tok/round, "
+                f"acceptance per position {acc}")
+    elif t.speculate != "off":
+        spec = f" | speculate {t.speculate}"
+    return (f"[{pre} | ttft {t.ttft_ms:.1f} ms | {dec} | {t.tokens_per_step:.2f} tok/step{spec} | "
             f"finish {finish_text(r)}{seed} | {r.executor_detail}]")
 
 
