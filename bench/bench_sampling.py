@@ -9,7 +9,8 @@
 2. Decode: ``Engine.load(preset, executor)`` on the graph and megakernel executors, the same prompt, ``tokens``
    new tokens (no stop), decode ms/token greedy, sampled on the device, sampled on the host
    (``executor.device_sampling = False``); ``sampled_over_greedy`` = device-sampled / greedy (target <= 1.05).
-Writes sampling.json (bench/results/ or --out).
+Writes sampling.json into bench/results/e2e/ (or --out): a kernel of a few hundred microseconds and decode
+figures, not a bandwidth row for bench/README.md's table.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from assembler.ref import sampling as ref  # noqa: E402
-from assembler.ref.numerics import f32  # noqa: E402
+from assembler.ref.numerics import BF16, f32  # noqa: E402
 from bench.harness import result_file  # noqa: E402
 from loader.config import preset  # noqa: E402
 
@@ -55,7 +56,7 @@ def kernel_rows(cfg) -> list[dict]:
     for name, t, k, p in SETTINGS:
         with stream:
             tok = smp(dev, t, k, p, 0.37)
-        want = int(ref.sample(mask_padding(f32(bits)), t, k, p if p is not None else 1.0, _U(0.37)))
+        want = int(ref.sample(mask_padding(f32(bits.view(BF16))), t, k, p if p is not None else 1.0, _U(0.37)))
         row = {"name": f"sample kernel ({name})", "blocks": smp.blocks, "kept": smp.last[0], "correct": tok == want}
         if tok != want:
             rows.append(row)
@@ -74,7 +75,7 @@ def kernel_rows(cfg) -> list[dict]:
         host = []
         for _ in range(5):
             t0 = time.perf_counter()
-            ref.sample(mask_padding(f32(dev.get())), t, k, p if p is not None else 1.0, _U(0.37))
+            ref.sample(mask_padding(f32(dev.get().view(BF16))), t, k, p if p is not None else 1.0, _U(0.37))
             host.append((time.perf_counter() - t0) * 1e3)
         row.update(us_median=round(float(np.median(ms)) * 1e3, 1), us_min=round(float(np.min(ms)) * 1e3, 1),
                    host_ms_median=round(float(np.median(host)), 2))
@@ -120,7 +121,8 @@ def main(argv=None) -> int:
     cfg = preset(a.preset)
     rows = kernel_rows(cfg)
     rows += decode_rows(a.preset, a.tokens)
-    p = result_file("sampling", rows, {"target_sampled_over_greedy": TARGET}, a.out)
+    out = a.out or str(Path(__file__).resolve().parent / "results" / "e2e")
+    p = result_file("sampling", rows, {"target_sampled_over_greedy": TARGET}, out)
     print(f"wrote {p}")
     return 0 if all(r.get("correct", True) for r in rows) else 1
 

@@ -27,6 +27,7 @@
 #define QMK_SAMPLE_SLICE (QMK_SAMPLE_THREADS * QMK_SAMPLE_PER)
 #define QMK_SAMPLE_WARPS (QMK_SAMPLE_THREADS / 32)
 #define QMK_SAMPLE_MAX_BLOCKS 256
+#define QMK_SAMPLE_INF __int_as_float(0x7f800000)  // +inf (NVRTC has no INFINITY)
 #define QMK_SAMPLE_FIX_ONE 4611686018427387904ull  // 2^62: probability 1 as a fixed-point integer
 // Workspace (qmk_u64 words, zeroed by the host before each launch): the barrier counter, two counters, per-block
 // partials, and the histograms of each radix pass (each pass its own, so no pass clears what another still reads).
@@ -187,11 +188,11 @@ __device__ __forceinline__ void qmk_sample_row(const qmk_u16* __restrict__ lg, i
 
     float s[QMK_SAMPLE_PER];
     qmk_u32 key[QMK_SAMPLE_PER];
-    float m = -INFINITY;
+    float m = -QMK_SAMPLE_INF;
 #pragma unroll
     for (int j = 0; j < QMK_SAMPLE_PER; ++j) {
         const int i = first + j * QMK_SAMPLE_THREADS;
-        float x = -INFINITY;
+        float x = -QMK_SAMPLE_INF;
         if (i < n_valid) {
             x = qmk_bf2f(lg[i]);
             if (scale) x = __fdiv_rn(x, temp);
@@ -204,9 +205,9 @@ __device__ __forceinline__ void qmk_sample_row(const qmk_u16* __restrict__ lg, i
     m = qmk_block_max(m, red_f);
     if (tid == 0) ws[QMK_SAMPLE_WS_MAX + blockIdx.x] = __float_as_uint(m);
     qmk_sample_grid_sync(ws, ++bar);
-    m = -INFINITY;
+    m = -QMK_SAMPLE_INF;
     for (int b = 0; b < nb; ++b) m = fmaxf(m, __uint_as_float((qmk_u32)ws[QMK_SAMPLE_WS_MAX + b]));
-    const bool m_inf = isinf(m) && m > 0.0f;  // an overflowed score: the +inf scores share the mass equally
+    const bool m_inf = m == QMK_SAMPLE_INF;  // an overflowed score: the +inf scores share the mass equally
 
     // ---- top-k: keep every score >= the k-th largest (ties at the threshold keep more than k)
     qmk_u32 kth = 0;
@@ -239,7 +240,7 @@ __device__ __forceinline__ void qmk_sample_row(const qmk_u16* __restrict__ lg, i
     for (int j = 0; j < QMK_SAMPLE_PER; ++j) {
         float v = 0.0f;
         if (key[j] >= kth) {
-            if (m_inf) v = (isinf(s[j]) && s[j] > 0.0f) ? 1.0f : 0.0f;
+            if (m_inf) v = (s[j] == QMK_SAMPLE_INF) ? 1.0f : 0.0f;
             else v = (float)exp((double)(s[j] - m));
             if (v < 1.17549435e-38f) v = 0.0f;  // a subnormal e (s - m < -87.3) is 0, as -ftz makes it anyway
         }

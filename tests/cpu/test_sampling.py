@@ -82,3 +82,43 @@ def test_sample_greedy_seeded_and_never_filtered():
     assert all(keep[d] for d in draws) and len(set(draws)) > 1
     with pytest.raises(ValueError, match="top_p"):
         ops.filter_logits(lg, 1.0, None, 1.5)
+
+
+class _Out:
+    """A StepOutput stand-in: logits, a device greedy token and optionally a device draw."""
+
+    def __init__(self, logits, token=None, sample_on_device=None):
+        self.logits, self.token, self.sample_on_device = logits, token, sample_on_device
+
+
+def test_choose_hands_the_device_draw_the_hosts_u():
+    """Sampler.choose: a device draw gets the parameters and the very u the host path would draw, so a seeded
+    run picks the same ids whether the GPU or the host samples; greedy takes the device's token; a step with
+    neither logits nor token is refused."""
+    from host.sampling import Sampler, SamplingParams, mask_padding
+    from assembler.ref import sampling as ref
+
+    rng = np.random.default_rng(5)
+    rows = [rng.standard_normal(4096).astype(np.float32) * 3 for _ in range(12)]
+    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=11)
+    seen = []
+
+    def device(temperature, top_k, top_p, u):
+        seen.append((temperature, top_k, top_p, u))
+
+        class _U:
+            def random(self):
+                return u
+        return int(ref.sample(mask_padding(rows[len(seen) - 1]), temperature, top_k, top_p, _U()))
+
+    host, dev = Sampler(params), Sampler(params)
+    want = [host(r) for r in rows]
+    got = [dev.choose(_Out(None, token=0, sample_on_device=device)) for _ in rows]
+    assert got == want and len(seen) == len(rows)
+    assert {s[:3] for s in seen} == {(0.7, 20, 0.9)}
+    control = Sampler(SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=12))
+    assert [control(r) for r in rows] != want  # negative control: another seed draws other ids
+    greedy = Sampler(SamplingParams())
+    assert greedy.choose(_Out(None, token=42, sample_on_device=device)) == 42
+    with pytest.raises(ValueError, match="neither logits nor a token"):
+        dev.choose(_Out(None))
