@@ -3,6 +3,6 @@
     protocol.py   the request bodies (pydantic, strict types) and the OpenAI error shape
     pool.py       resident sessions: prefix reuse from the longest usable history, least-recently-used eviction
     worker.py     the one thread that runs the engine: a bounded queue of jobs, cancellation between steps
-    output.py     generated ids -> OpenAI chat deltas (content, reasoning_content, tool_calls) and logprobs
+    output.py     the engine's parsed deltas (host.reply) -> OpenAI chat deltas and message; logprob shapes
     app.py        the FastAPI application: routes, authentication, error handlers, SSE streaming
 """

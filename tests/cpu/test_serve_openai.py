@@ -7,6 +7,7 @@ engine as the reference: the server's answers must equal what a fresh engine giv
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -188,6 +189,11 @@ def _open_stream(s, content: str, max_tokens: int):
     return st, iter(st)
 
 
+def _ran(served, prompt: list[int]) -> list[int]:
+    """Token counts of the resident sessions whose history starts with ``prompt``."""
+    return [len(x.ids) for x in served.srv.worker.pool.sessions.values() if x.ids[:len(prompt)] == prompt]
+
+
 def _wait(cond, timeout: float = 30.0) -> None:
     end = time.monotonic() + timeout
     while not cond():
@@ -220,19 +226,36 @@ def test_queue_full_is_429_with_retry_after(served):
 
 
 def test_disconnect_mid_stream_cancels_and_keeps_serving(served, fresh):
-    content = "def disconnect_me(x):"
-    n_prompt = len(fresh.render_chat([{"role": "user", "content": content}]))
+    content = "def fibonacci(n): # disconnect"  # greedy runs to 400 tokens here (no EOS) unless cancelled
+    prompt = fresh.render_chat([{"role": "user", "content": content}])
     st, it = _open_stream(served, content, 400)
     for _ in range(4):
         next(it)
     st.close()
     w = served.srv.worker
     _wait(lambda: w.running is None)
-    lengths = [s["tokens"] for s in w.pool.stats()]
-    assert any(n_prompt <= n < n_prompt + 100 for n in lengths), lengths  # stopped long before 400 tokens
+    ran = _ran(served, prompt)
+    assert len(ran) == 1 and ran[0] < len(prompt) + 100, ran  # stopped long before 400 tokens
     r = chat(served, [{"role": "user", "content": content}], max_tokens=8)  # reuses the cut-short session
     ref = fresh.chat([{"role": "user", "content": content}], max_new_tokens=8).result()
     assert (r.choices[0].message.reasoning_content, r.choices[0].message.content) == trimmed(ref)
+
+
+def test_disconnect_while_waiting_for_a_whole_answer_cancels_it(served, fresh):
+    content = "def fibonacci(n): # gone"  # greedy runs to 400 tokens here (no EOS) unless cancelled
+    prompt = fresh.render_chat([{"role": "user", "content": content}])
+    body = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 400,
+                       "temperature": 0}).encode()
+    w = served.srv.worker
+    with socket.create_connection(("127.0.0.1", int(served.url.rsplit(":", 1)[1]))) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        _wait(lambda: w.running is not None)
+        time.sleep(0.3)
+    _wait(lambda: w.running is None)
+    ran = _ran(served, prompt)
+    assert len(ran) == 1 and ran[0] < len(prompt) + 200, ran  # stopped long before 400 tokens
+    assert chat(served, [{"role": "user", "content": "hi"}], max_tokens=2).choices[0].finish_reason == "length"
 
 
 BAD = [
