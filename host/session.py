@@ -375,11 +375,9 @@ class Session:
                 k = 0
                 if sp is not None:
                     k = min(k_fixed if k_fixed is not None else sp.chooser.choose(MAX_DRAFTS), max(room, 0))
+                ts = time.perf_counter()
                 if k == 0:
-                    ts = time.perf_counter()
                     out = self._ex().step(tok)  # re-select the slot: another session may have run meanwhile
-                    if sp is not None:
-                        sp.step_observed((time.perf_counter() - ts) * 1e3)
                     self.ids.append(tok)
                     self._last = out
                     tm.steps += 1
@@ -387,6 +385,8 @@ class Session:
                         raise EngineError(f"{ex.name} executor returned neither logits nor a token")
                     tok = sampler.choose(out)
                     deltas = [emit(tok)]
+                    if sp is not None:
+                        sp.observed(0, 0, (time.perf_counter() - ts) * 1e3)
                     continue
                 self._ex()
                 emitted, logits, a = sp.round(tok, k, sampler)
@@ -405,6 +405,7 @@ class Session:
                 self.ids += [tok] + emitted[:rows - 1]
                 self._last = StepOutput(logits=logits[rows - 1])
                 tok = emitted[rows - 1]
+                sp.observed(k, a, (time.perf_counter() - ts) * 1e3)
         except KeyboardInterrupt:
             back = self._rewind(len(self.ids))
             raise GenerationInterrupted(f"generation interrupted after {tokens_text(len(out_ids))}; " + (
