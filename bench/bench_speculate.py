@@ -137,6 +137,8 @@ def run(engine, prompts: dict, new: int, reps: int) -> tuple[dict, list]:
                         a["tokens"] += r.timings.generated_tokens - 1 - (r.timings.steps - r.timings.rounds)
             for mode in MODES:
                 agg[str(mode)]["ms"].append(float(np.median(per[str(mode)])))
+            print(f"bench_speculate: {split} prompt {pi}: " + ", ".join(f"{m} {np.median(per[str(m)]):.1f}"
+                                                                   for m in MODES) + " ms/token", file=sys.stderr)
         rows = {}
         plain = float(np.mean(agg["off"]["ms"]))
         for mode in MODES:

@@ -90,7 +90,7 @@ class ReplyParser:
     ``<think>\\n``, the template's generation prompt with thinking on). ``tools``: the OpenAI tool list (values are
     typed by its schemas); ``parse_tools`` False leaves ``<tool_call>`` regions in the content as text (no tools,
     or ``tool_choice="none"``). ``stops``: stop strings, held back from the content as the loop holds them back
-    from ``text`` (``host.session._StopMatcher``).
+    from ``text`` (``host.stops.StopMatcher``).
 
     ``feed(tok) -> ReplyPieces``; ``finish() -> ReplyPieces`` once at the end (closes an unterminated call or
     releases held text). After ``finish``: ``reasoning_content`` (None when the reply did not start in reasoning),
@@ -98,12 +98,12 @@ class ReplyParser:
     one valid call and nothing but whitespace after the last one: finish_reason ``tool_calls``)."""
 
     def __init__(self, tokenizer, *, reasoning: bool, tools=None, parse_tools: bool = True, stops=()):
-        from host.session import _StopMatcher  # the loop's matcher: content is cut where text is
+        from host.stops import StopMatcher  # the loop's matcher: content is cut where text is
 
         self.parse_tools = bool(parse_tools)
         self._p = (StreamParser(tokenizer, tools, reasoning) if self.parse_tools
                    else _ReasoningSplitter(tokenizer, reasoning))
-        self._match = _StopMatcher(list(stops))
+        self._match = StopMatcher(list(stops))
         self._stopped = False
         self.reasoning_content: str | None = None
         self.content = ""

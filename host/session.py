@@ -22,6 +22,7 @@ from host.errors import EmptyPrompt, EngineError, GenerationInterrupted, Invalid
 from host.executors import Executor, StepOutput
 from host.generation import Delta, Generation, GenerationResult, Timings
 from host.reply import ReplyPlan, plan_reply
+from host.stops import StopMatcher
 from host.sampling import Sampler, SamplingParams, check_generation_args, token_logprobs
 from loader.config import FIRST_PADDING_ID, IM_START_ID
 
@@ -60,39 +61,6 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
         return 0
     diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
     return int(diff[0]) if diff.size else n
-
-
-class _StopMatcher:
-    """Finds user stop strings in the streamed text; holds back any tail that could start one."""
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops = [s for s in stops]
-        self.text = ""
-        self.emitted = 0
-
-    def feed(self, t: str) -> tuple[str, str | None]:
-        """Append ``t``; return (text now safe to emit, the stop string found or None; the earliest match wins,
-        then the first in ``stops``)."""
-        self.text += t
-        hits = [(j, k) for k, j in enumerate(self.text.find(s, self.emitted) for s in self.stops) if j >= 0]
-        if hits:
-            j, k = min(hits)
-            self.text = self.text[:j]
-            out, self.emitted = self.text[self.emitted:], j
-            return out, self.stops[k]
-        hold = 0
-        for s in self.stops:  # longest proper prefix of a stop string ending the text
-            for k in range(min(len(s) - 1, len(self.text) - self.emitted), hold, -1):
-                if self.text.endswith(s[:k]):
-                    hold = k
-                    break
-        end = len(self.text) - hold
-        out, self.emitted = self.text[self.emitted:end], end
-        return out, None
-
-    def flush(self) -> str:
-        out, self.emitted = self.text[self.emitted:], len(self.text)
-        return out
 
 
 def tokens_text(n: int) -> str:
@@ -364,7 +332,7 @@ class Session:
               spec_mode="off") -> Iterator[Delta]:
         ex = self.engine.executor
         tm = Timings(prompt_tokens=len(prompt))
-        detok, match = self.engine.new_detok(), _StopMatcher(stops)
+        detok, match = self.engine.new_detok(), StopMatcher(stops)
         reply, gram = plan.parser(self.engine.tokenizer, stops), plan.constraint(self.engine.cfg.vocab_size)
         cfg_eos = set(self.engine.cfg.eos_token_ids)
         out_ids: list[int] = []
@@ -448,16 +416,16 @@ class Session:
                 k = 0
                 if sp is not None:
                     k = min(k_fixed if k_fixed is not None else sp.chooser.choose(MAX_DRAFTS), max(room, 0))
+                ts = time.perf_counter()
                 if k == 0:
-                    ts = time.perf_counter()
                     out = self._ex().step(tok)  # re-select the slot: another session may have run meanwhile
-                    if sp is not None:
-                        sp.step_observed((time.perf_counter() - ts) * 1e3)
                     self.ids.append(tok)
                     self._last = out
                     tm.steps += 1
                     tok = choose(out)
                     deltas = [emit(tok, out) if tok is not None else dead_end()]
+                    if sp is not None:
+                        sp.observed(0, 0, (time.perf_counter() - ts) * 1e3)
                     continue
                 self._ex()
                 emitted, logits, a = sp.round(tok, k, sampler)
@@ -476,6 +444,7 @@ class Session:
                 self.ids += [tok] + emitted[:rows - 1]
                 self._last = StepOutput(logits=logits[rows - 1])
                 tok = emitted[rows - 1]
+                sp.observed(k, a, (time.perf_counter() - ts) * 1e3)
         except KeyboardInterrupt:
             back = self._rewind(len(self.ids))
             raise GenerationInterrupted(f"generation interrupted after {tokens_text(len(out_ids))}; " + (

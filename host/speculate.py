@@ -31,7 +31,7 @@ DEFAULT_SPECULATE = "off"  # the API's and CLI's default (docs/speculation.md sa
 DRAFT_CORE = 32768         # static core of the pruned draft head: ids [0, DRAFT_CORE) + the added tokens
 PRIOR_ALPHA, PRIOR_N = 0.7, 2.0   # Beta prior of the acceptance per position (weight of 2 observations)
 EMA = 0.2                  # weight of a new cost measurement
-EXPLORE_EVERY = 6          # auto: every this many rounds, try a k whose verify cost is not measured yet (or k* + 1)
+EXPLORE_EVERY = 6          # auto: every this many rounds, try a k whose round cost is not measured yet (or k* + 1)
 
 
 def parse_speculate(v) -> str | int:
@@ -71,26 +71,35 @@ def speculator(engine) -> "Speculator":
 
 
 class KChooser:
-    """Picks k in 0..MAX_K minimising expected ms per emitted token: cost(k) / tokens(k), cost(k) = verify(k + 1)
-    + k · draft, tokens(k) = 1 + Σ_{i ≤ k} Π_{j ≤ i} α_j. verify(M): EMA of the measured pass time per M (a line
-    fitted through the measured M where one is missing); α_i: acceptance of draft i given drafts < i accepted,
-    counted over every round (Beta prior PRIOR_ALPHA, weight PRIOR_N)."""
+    """Picks k in 0..MAX_K minimising expected ms per emitted token: cost(k) / tokens(k), tokens(k) = 1 +
+    Σ_{i ≤ k} Π_{j ≤ i} α_j. cost(k): the EMA of the measured wall time of a whole round of k drafts (draft, verify
+    pass of M = k + 1 rows, accept, commit; k = 0: a plain step and its token choice); where k is not measured yet,
+    the measured verify pass time of M rows (a line through the measured M where that is missing too) + k · the
+    measured draft step time + the mean measured overhead of a round. α_i: acceptance of draft i given drafts < i
+    accepted, counted over every round (Beta prior PRIOR_ALPHA, weight PRIOR_N)."""
 
     def __init__(self):
-        self.verify_ms = np.full(MAX_K + 2, np.nan)   # index M = 1..8
+        self.verify_ms = np.full(MAX_K + 2, np.nan)   # index M = 1..8: the verify pass alone
+        self.round_ms = np.full(MAX_K + 1, np.nan)    # index k = 0..7: a whole round
         self.draft_ms = np.nan
+        self.overhead_ms = np.nan
         self.acc = np.zeros(MAX_K + 1)                # index i = 1..7: drafts accepted at position i
         self.tried = np.zeros(MAX_K + 1)              # drafts proposed at position i (previous ones accepted)
         self.rounds = 0
 
-    def observe(self, k: int, accepted: int, verify_ms: float, draft_ms: float) -> None:
-        """Record a round of k drafts (``accepted`` of them) with its measured pass and draft times."""
-        M = k + 1
-        v = self.verify_ms[M]
-        self.verify_ms[M] = verify_ms if np.isnan(v) else (1 - EMA) * v + EMA * verify_ms
+    @staticmethod
+    def _ema(old: float, new: float) -> float:
+        return new if np.isnan(old) else (1 - EMA) * old + EMA * new
+
+    def observe(self, k: int, accepted: int, verify_ms: float, draft_ms: float, round_ms: float | None = None) -> None:
+        """Record a round of k drafts (``accepted`` of them): its verify pass and draft times and, when known, the
+        wall time of the whole round."""
+        self.verify_ms[k + 1] = self._ema(self.verify_ms[k + 1], verify_ms)
+        if round_ms is not None:
+            self.round_ms[k] = self._ema(self.round_ms[k], round_ms)
+            self.overhead_ms = self._ema(self.overhead_ms, max(round_ms - verify_ms - draft_ms, 0.0))
         if k:
-            d = draft_ms / k
-            self.draft_ms = d if np.isnan(self.draft_ms) else (1 - EMA) * self.draft_ms + EMA * d
+            self.draft_ms = self._ema(self.draft_ms, draft_ms / k)
             n = min(accepted + 1, k)                  # positions 1..n were tried
             self.tried[1:n + 1] += 1
             self.acc[1:accepted + 1] += 1
@@ -119,18 +128,20 @@ class KChooser:
         a = self.alpha()[1:]
         tokens = 1 + np.concatenate([[0.0], np.cumsum(np.cumprod(a))])
         d = 0.0 if np.isnan(self.draft_ms) else self.draft_ms
-        cost = self.verify_cost()[1:] + np.arange(MAX_K + 1) * d
+        o = 0.0 if np.isnan(self.overhead_ms) else self.overhead_ms
+        est = self.verify_cost()[1:] + np.arange(MAX_K + 1) * d + o
+        cost = np.where(np.isnan(self.round_ms), est, self.round_ms)
         return tokens, cost / tokens
 
     def choose(self, cap: int) -> int:
         """k for the next round, at most ``cap``: the minimiser of expected ms per token, except every
-        EXPLORE_EVERY-th round a k whose verify cost is unmeasured (else k* + 1), so estimates stay current."""
+        EXPLORE_EVERY-th round a k whose round time is unmeasured (else k* + 1), so estimates stay current."""
         if cap <= 0:
             return 0
         _, ms = self.expected()
         best = int(np.argmin(ms[:cap + 1]))
         if self.rounds % EXPLORE_EVERY == EXPLORE_EVERY - 1:
-            missing = [k for k in range(cap + 1) if np.isnan(self.verify_ms[k + 1])]
+            missing = [k for k in range(cap + 1) if np.isnan(self.round_ms[k])]
             return missing[0] if missing else min(best + 1, cap)
         return best
 
@@ -170,6 +181,7 @@ class Speculator:
         self.vocab: dict[int, object] = {}
         self.chooser = KChooser()
         self.corrupt = None
+        self.last_ms = (0.0, 0.0)   # (verify, draft) ms of the last round
 
     def begin(self) -> None:
         """Start a generation on the selected slot: MTP cache allocated, working vocabulary = core + the ids in
@@ -238,7 +250,7 @@ class Speculator:
         logits = self.model.decode(self.ex._state, [x] + drafts, record=True)
         t2 = time.perf_counter()
         emit = self.accept(logits, drafts, qs, sampler)
-        self.chooser.observe(k, len(emit) - 1, (t2 - t1) * 1e3, (t1 - t0) * 1e3)
+        self.last_ms = ((t2 - t1) * 1e3, (t1 - t0) * 1e3)
         return emit, logits, len(emit) - 1
 
     def commit(self, rows: int, emitted: list[int]) -> None:
@@ -247,6 +259,8 @@ class Speculator:
         self.model.keep_rows(self.ex._state, rows)
         self.vocab[self.ex._cur].add(np.asarray(emitted, np.int64))
 
-    def step_observed(self, ms: float) -> None:
-        """A plain step (k = 0) took ``ms``: the M = 1 verify cost."""
-        self.chooser.observe(0, 0, ms, 0.0)
+    def observed(self, k: int, accepted: int, round_ms: float) -> None:
+        """The caller's wall time of a whole round of k drafts (k = 0: a plain step and its token choice) for the
+        chooser, with the verify and draft times the last ``round`` measured."""
+        verify, draft = (round_ms, 0.0) if k == 0 else self.last_ms
+        self.chooser.observe(k, accepted, verify, draft, round_ms)

@@ -16,7 +16,8 @@ from host.errors import (EmptyPrompt, EngineError, ExecutorUnavailable, Generati
                          InvalidTokenId, ModelLoadError, PromptTooLong)
 from host.executors import gpu_available
 from host.sampling import Sampler, SamplingParams, mask_padding
-from host.session import CKPT_ALIGN, _StopMatcher
+from host.session import CKPT_ALIGN
+from host.stops import StopMatcher
 from loader.config import FIRST_PADDING_ID, IM_END_ID, PRESETS
 from tests.helpers import drain, hash_engine
 
@@ -89,7 +90,7 @@ def test_bad_sampling_params(kw):
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7])
 def test_stop_matcher_never_emits_past_stop(chunk):
     text = "abc<|x|>def STOP and more STOP"
-    m = _StopMatcher(["STOP", "ST0P!"])
+    m = StopMatcher(["STOP", "ST0P!"])
     out, hit = "", False
     for i in range(0, len(text), chunk):
         o, hit = m.feed(text[i:i + chunk])
@@ -98,7 +99,7 @@ def test_stop_matcher_never_emits_past_stop(chunk):
         if hit:
             break
     assert hit and out == "abc<|x|>def " and m.text == out
-    m2 = _StopMatcher(["zzz"])                                   # control: no stop → everything comes out
+    m2 = StopMatcher(["zzz"])                                   # control: no stop → everything comes out
     assert m2.feed(text)[0] + m2.flush() == text
 
 
