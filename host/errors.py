@@ -38,7 +38,8 @@ class InvalidArgument(EngineError):
     """An argument of the Python API or the CLI that is of the wrong type, out of range or inconsistent with the
     engine, raised before any work: a sampling parameter (``SamplingParams``: temperature < 0 or not finite,
     top_k < 0, top_p outside (0, 1], min_p outside [0, 1], seed < 0, a bool for any of them); ``logprobs`` not
-    an integer in [0, 20]; ``max_new_tokens`` < 1 or not below the
+    an integer in [0, 20]; ``speculate`` not ``"off"``, ``"auto"`` or an integer in [0, 7]; ``max_new_tokens`` < 1
+    or not below the
     session capacity / model context (``host.sampling.check_generation_args``); an empty stop string; an unknown
     executor name; a ``capacity`` below 2 (no room for a prompt token and a reply), above the model's context or
     too large for host / GPU memory; ``slots`` < 1; a ``path_or_preset`` that is not a str / Path; a ``chat``

@@ -143,13 +143,18 @@ class Server:
     async def collect(self, job: Job, request: Request, on_delta) -> object:
         """Drain ``job`` (``on_delta(delta)`` for each); the GenerationResult. Cancels it when the client leaves."""
         try:
+            checked = time.monotonic()
             while True:
                 try:
                     kind, item = await asyncio.wait_for(job.events.get(), POLL_S)
                 except asyncio.TimeoutError:
+                    kind = item = None
+                if time.monotonic() - checked >= POLL_S or kind is None:  # also while deltas keep coming:
+                    checked = time.monotonic()                            # a fast decode never times out
                     if await request.is_disconnected():
                         job.cancel()
                         raise APIError(499, "client closed the request") from None
+                if kind is None:
                     continue
                 if kind == "delta":
                     on_delta(item)
