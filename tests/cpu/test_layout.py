@@ -98,3 +98,13 @@ def test_ref_ops_re_exports_the_families():
 def test_cycle_walk_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_test_module_basenames_are_unique():
+    """pytest imports test modules by basename (rootdir, no packages), so two ``test_x.py`` in different folders
+    stop the whole run at collection; conftest.py files are exempt (pytest loads them per folder)."""
+    from collections import Counter
+    root = Path(__file__).resolve().parents[2] / "tests"
+    names = Counter(p.name for p in root.rglob("test_*.py") if "__pycache__" not in p.parts)
+    assert not [n for n, c in names.items() if c > 1], sorted(n for n, c in names.items() if c > 1)
+    assert names["test_sampling.py"] == 1 and names["test_sampling_device.py"] == 1  # the scan sees both folders
