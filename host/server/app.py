@@ -267,6 +267,8 @@ def create_app(engine, served_model_name: str = "qwen3.5-tiny-trained", api_key:
             ids, marks = await run_in_threadpool(render_turn, engine, req.messages, req.tools, thinking)
         except EngineError as e:
             raise engine_error(e, "messages") from None
+        if req.top_logprobs is not None and not req.logprobs:  # OpenAI and vLLM refuse it too
+            raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
         n_lp = (req.top_logprobs or 0) if req.logprobs else None
         kw = srv.gen_kwargs(req, len(ids), req.max_completion_tokens or req.max_tokens, n_lp)
         kw.update(checkpoint_at=[*marks, len(ids)], tools=req.tools, tool_choice=req.tool_choice,

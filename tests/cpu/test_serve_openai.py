@@ -272,6 +272,7 @@ BAD = [
     ({"messages": [{"role": "user", "content": "x"}, {"role": "system", "content": "late"}]}, 400, "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, 400, "stop"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n"),
     ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"enable_thinking": "no"}}, 400,
      "chat_template_kwargs.enable_thinking"),
