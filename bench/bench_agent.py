@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import commit
+from bench.harness import commit, cpu_name
 
 OUT = Path(__file__).resolve().parent / "results" / "e2e"
 SYSTEM = "You are a concise assistant that uses tools when they help."
@@ -53,16 +53,6 @@ RESULTS = {"calculator": "42", "get_weather": json.dumps({"temperature": 21, "co
            "read_file": "import os\nimport sys", "list_dir": json.dumps(["a.py", "b.py"]),
            "lookup_doc": "Join two or more pathname components.", "store_set": json.dumps({"ok": True}),
            "store_get": json.dumps({"key": "owner", "value": "Ada"})}
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def check_calls(r, schemas) -> tuple[bool, list[str]]:
@@ -186,7 +176,7 @@ def main(argv=None) -> int:
                   file=sys.stderr)
     gate = all(r["all_calls_valid"] and (r["calls"] > 0 or r["finish_reason"] == "length")
                for (mode, _), rows in rows_all.items() if mode == "grammar_on" for r in rows)
-    doc = {"benchmark": "agent", "device": _cpu_name(), "nproc": os.cpu_count(),
+    doc = {"benchmark": "agent", "device": cpu_name(), "nproc": os.cpu_count(),
            "sched_affinity": len(os.sched_getaffinity(0)), "loadavg_before": [round(x, 2) for x in load0],
            "loadavg_after": [round(x, 2) for x in os.getloadavg()], "commit": commit(),
            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "executor": eng.executor.name,

@@ -19,7 +19,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -27,19 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import commit
+from bench.harness import commit, cpu_name
 
 GOLDEN = Path(__file__).resolve().parents[1] / "tests" / "golden"
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _check(weights, ids) -> dict:
@@ -114,7 +103,7 @@ def main(argv=None) -> int:
             vdec.append((time.perf_counter() - s) * 1e3)
         rows.append({"name": "cpu-vm executor decode step", "shape": "tiny context 16", "load_s": round(vm_load, 1),
                      "ms": round(statistics.median(vdec), 1), "all_ms": [round(x, 1) for x in vdec]})
-    doc = {"benchmark": "cpu_executor", "device": _cpu_name(), "nproc": os.cpu_count(),
+    doc = {"benchmark": "cpu_executor", "device": cpu_name(), "nproc": os.cpu_count(),
            "sched_affinity": len(os.sched_getaffinity(0)), "loadavg_before": [round(x, 2) for x in load0],
            "loadavg_after": [round(x, 2) for x in os.getloadavg()], "numpy": np.__version__,
            "blas_threads_env": {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")},

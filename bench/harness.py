@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import platform
 import subprocess
 from pathlib import Path
 
@@ -19,6 +20,17 @@ import numpy as np
 
 H200_READ_GBPS = 4468.0      # measured read bandwidth, shared/spec/h200.md
 ROTATE_BYTES = 126_000_000   # more than 2 × 60 MiB L2
+
+
+def cpu_name() -> str:
+    """The host CPU's model name (``/proc/cpuinfo``), for result files of benchmarks that run on the CPU."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def copies_for(nbytes: int, min_total: int = ROTATE_BYTES) -> int:

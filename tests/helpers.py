@@ -27,6 +27,15 @@ from loader.tokenizer import Tokenizer, cached_tokenizer_json
 
 V = PRESETS["tiny"].vocab_size
 
+# Two OpenAI tools (the agent tests' calls and grammars).
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather for a city.",
+           "parameters": {"type": "object", "properties": {
+               "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+               "required": ["city"]}}}
+CALC = {"type": "function", "function": {"name": "calculator", "description": "Evaluate an arithmetic expression.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                       "required": ["expression"]}}}
+
 # Qwen2/Qwen3 split regex (no \p{M}): the negative control for the Qwen3.5 regex.
 QWEN3_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                      r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")

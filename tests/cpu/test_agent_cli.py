@@ -9,15 +9,7 @@ import re
 
 import pytest
 
-from tests.helpers import run
-
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather for a city.",
-           "parameters": {"type": "object", "properties": {
-               "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-               "required": ["city"]}}}
-CALC = {"type": "function", "function": {"name": "calculator", "description": "Evaluate an arithmetic expression.",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                       "required": ["expression"]}}}
+from tests.helpers import CALC, WEATHER, run
 
 
 @pytest.fixture

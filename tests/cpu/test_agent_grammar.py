@@ -18,15 +18,8 @@ from host.errors import InvalidArgument, RequestError
 from host.executors import StepOutput
 from host.sampling import Sampler, SamplingParams
 from loader.config import FIRST_PADDING_ID, IM_START_ID
-from tests.helpers import drain, hash_engine
+from tests.helpers import CALC, WEATHER, drain, hash_engine
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather for a city.",
-           "parameters": {"type": "object", "properties": {
-               "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-               "required": ["city"]}}}
-CALC = {"type": "function", "function": {"name": "calculator", "description": "Evaluate an arithmetic expression.",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                       "required": ["expression"]}}}
 TOOLS = [WEATHER, CALC]
 CODE = [{"role": "user", "content": "def fibonacci(n):"}]
 ANSWER = {"type": "object", "properties": {"answer": {"type": "integer"}, "unit": {"type": "string", "maxLength": 8}},
