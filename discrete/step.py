@@ -299,6 +299,16 @@ class DecodeStep:
         self.ctrl.set(np.frombuffer(c.tobytes(), np.uint32), stream=self.stream)
         self.pos = int(c["pos"])
 
+    def advance(self, n: int) -> None:
+        """Move the position by ``n`` ≥ 0 rows processed outside the step (``discrete.prefill.Prefill``): the host
+        copy and the control block's ``pos`` (in stream order; nothing else in the block changes)."""
+        n = int(n)
+        if n < 0 or self.pos + n > self.capacity:
+            raise ValueError(f"DecodeStep.advance: {self.pos} + {n} outside 0..capacity {self.capacity}")
+        self.pos += n
+        with self.stream:
+            self.pos_dev.fill(np.int32(self.pos))
+
     def poison(self) -> None:
         """Fill every activation buffer (and the split-K scratch) with NaN, so a read of anything not written in
         the next step shows up (tests)."""

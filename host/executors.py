@@ -33,7 +33,6 @@ KINDS = ("megakernel", "graph", "cpu", "cpu-vm")
 CPU_KINDS = ("cpu", "cpu-vm")  # cpu: the fast float32 NumPy model; cpu-vm: the reference + CPU VM, bit-exact
 # The CPU paths are NumPy: fine for the tiny preset, hopeless for 27 GB of weights per token.
 CPU_MAX_WEIGHT_BYTES = 2 << 30
-MAX_PREFILL_ROWS = 8  # GPU prefill: eager passes of the M <= 8 verify form (a GEMM prefill comes later)
 
 
 @dataclass
@@ -325,7 +324,10 @@ class GraphExecutor(Executor):
 
     Weights: a ``SyntheticWeights`` source is materialised directly in GPU memory (seconds for the 27B);
     any other WeightSource is uploaded tensor by tensor. One session slot (its state stays resident; other
-    conversations restore from snapshots). Prefill runs eager M ≤ 8-row passes; decode replays the captured
+    conversations restore from snapshots). Prefill: every id but the last through ``discrete.prefill.Prefill``
+    (projection GEMMs over chunks of up to 2,048 rows, the GDN and attention decode kernels over row tiles),
+    then the last id as a decode step, which gives its logits and device argmax; bit-identical per row to
+    eager decode passes, so any split of a prompt into calls gives the same bits. Decode replays the captured
     M = 1 graph, whose finish kernel advances the device-side control block. Raises ExecutorUnavailable
     without a GPU."""
 
@@ -333,6 +335,7 @@ class GraphExecutor(Executor):
 
     def __init__(self, weights, capacity: int, slots: int = 1):
         check_kind(self.name)
+        from discrete.prefill import Prefill
         from discrete.step import DecodeStep
         from discrete.weights_gpu import WeightsGPU
         from loader.synthetic import SyntheticWeights
@@ -343,10 +346,11 @@ class GraphExecutor(Executor):
         wg = WeightsGPU.from_synthetic(weights) if synthetic else WeightsGPU.from_source(weights)
         self.cfg, self.capacity, self.slots = cfg, int(capacity), 1
         self.dstep = DecodeStep(cfg, wg, self.capacity, m_rows=1, debug_logits=True)
+        self.prefiller = Prefill(self.dstep)  # scratch for its chunk, allocated here (start-up)
         self.load_s = time.perf_counter() - t0
         self.detail = (f"graph: discrete kernels, one CUDA graph per step; weights "
                        f"{'materialised on the GPU' if synthetic else 'uploaded'} in {self.load_s:.1f} s; "
-                       f"prefill = eager passes of {MAX_PREFILL_ROWS} rows")
+                       f"prefill = GEMM chunks of {self.prefiller.chunk} rows")
         self._captured = False
         self.device_sampling = True  # draw sampled tokens on the GPU (discrete.sampling); False: on the host
         self._sampler = None         # the DeviceSampler, built at the first sampled token
@@ -380,9 +384,23 @@ class GraphExecutor(Executor):
 
     def prefill(self, ids: Sequence[int]) -> StepOutput:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        for s in range(0, ids.size, MAX_PREFILL_ROWS):
-            self.dstep.run_eager(ids[s:s + MAX_PREFILL_ROWS])
+        if ids.size < 1:
+            raise ValueError("prefill: no ids")
+        if self.position + ids.size > self.capacity:
+            raise ValueError(f"prefill: positions {self.position}..{self.position + ids.size - 1} exceed the "
+                             f"capacity {self.capacity}")
+        if ids.size > 1:
+            self.prefiller.run(ids[:-1])
+        self._last_row(int(ids[-1]))
         return self._out()
+
+    def _last_row(self, token: int) -> None:
+        """The prompt's last id as a decode step: the captured graph once it exists, else an eager pass (which
+        also loads every module of the step before the first capture)."""
+        if self._captured:
+            self.dstep.replay([token])
+        else:
+            self.dstep.run_eager([token])
 
     def step(self, token: int) -> StepOutput:
         if not self._captured:  # capture once, after the eager prefill has loaded every module
@@ -416,8 +434,9 @@ class MegakernelExecutor(GraphExecutor):
     bound to a ``DecodeStep`` whose weights, arena, state, KV pages and control block it shares.
 
     Decode: one cooperative launch per step (embedding through lm_head + argmax + control-block update on
-    the GPU). Prefill: the DecodeStep's eager M ≤ 8-row passes, which are bit-identical per row to the
-    megakernel's (``tests/gpu/test_megakernel.py``). Raises ExecutorUnavailable without a GPU."""
+    the GPU). Prefill: the graph executor's (``discrete.prefill.Prefill`` on the shared DecodeStep, bit-identical
+    per row to the decode passes, which are bit-identical to the megakernel's: ``tests/gpu/test_megakernel.py``),
+    the last id as a megakernel step. Raises ExecutorUnavailable without a GPU."""
 
     name = "megakernel"
 
@@ -429,8 +448,12 @@ class MegakernelExecutor(GraphExecutor):
         self.mk = Megakernel(self.dstep, m_rows=1)
         self.detail = (f"megakernel: {self.mk.num_sms} SMs × {self.mk.threads} threads, "
                        f"{int(self.mk.lens.max())} instructions on the longest SM, built in "
-                       f"{time.perf_counter() - t0:.1f} s; prefill = eager passes of {MAX_PREFILL_ROWS} rows; "
+                       f"{time.perf_counter() - t0:.1f} s; prefill = GEMM chunks of {self.prefiller.chunk} rows; "
                        f"weights loaded in {self.load_s:.1f} s")
+
+    def _last_row(self, token: int) -> None:
+        self.mk.step([token])
+        self.mk.check(timeout_s=60.0)
 
     def step(self, token: int) -> StepOutput:
         self.mk.step([int(token)])

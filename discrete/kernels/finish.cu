@@ -22,6 +22,15 @@ qmk_rmsnorm_rows(const mx_u16* __restrict__ x, const mx_u16* __restrict__ w, mx_
     mx_rmsnorm_rows<QMK_NORM_THREADS>(x, n, w, y, n, M, n, red);
 }
 
+// The same RMSNorm with one block per row (prefill, M up to thousands of rows): x, y [M, n], grid M. A row's result
+// does not depend on M, so every row has the bits of qmk_rmsnorm_rows (and of the GEMV's fused norm prologue).
+extern "C" __global__ void __launch_bounds__(QMK_NORM_THREADS)
+qmk_rmsnorm_rows_grid(const mx_u16* __restrict__ x, const mx_u16* __restrict__ w, mx_u16* __restrict__ y, int n) {
+    __shared__ double red[QMK_NORM_THREADS / 32];
+    const size_t r = blockIdx.x;
+    mx_rmsnorm_rows<QMK_NORM_THREADS>(x + r * n, n, w, y + r * n, n, 1, n, red);
+}
+
 // Fixed-order reduce (store epilogue) of P [S, M, N] fp32 — the partials of a row-fused projection — into up to
 // three outputs: columns [c0_s, c0_s + n_s) go to out_s [M, n_s] bf16 (n_s = 0: unused). grid ceil(M·N/256).
 extern "C" __global__ void __launch_bounds__(256)

@@ -129,13 +129,19 @@ __device__ __forceinline__ float mx_u2_bf(const uint2& v, int e) {  // element e
 // dependency wait: the state depends only on the previous step) to read instead of `state`, which is still the one
 // written back. Same values, same bits.
 // CH: state columns whose warp sums run interleaved (the discrete kernel: all MX_GDN_CPW; the megakernel, short of
-// registers: 1); the bits do not depend on it. Call from all threads of a MX_GDN_THREADS block.
+// registers: 1); the bits do not depend on it.
+// hist, ring_write (prefill, qmk_gdn_prefill): the conv inputs of positions pos-hist .. pos-1 are read from the
+// rows of qkv before row 0 (qkv[-hist*CONV_DIM ..]) instead of the ring, and ring_write = false leaves the ring
+// untouched (the prefill kernel's blocks run their row tiles unordered; qmk_gdn_ring_fill writes the ring after
+// the launch). The defaults (0, true) are the decode step. Same values, same bits. Call from all threads of a
+// MX_GDN_THREADS block.
 template <int CH, int MR = QMK_MAX_ROWS>
 __device__ __forceinline__ void mx_gdn_step_head_pre(const mx_u16* __restrict__ qkv, const mx_u16* __restrict__ z,
                                      const mx_u16* __restrict__ hn, mx_u16* __restrict__ ring,
                                      float* __restrict__ state, mx_u16* __restrict__ out, int pos, int M, int j,
                                      const MxGdnPre& pre, MxGdnSmem& sm,
-                                     const float* __restrict__ state_in = nullptr) {
+                                     const float* __restrict__ state_in = nullptr, int hist = 0,
+                                     bool ring_write = true) {
     static_assert(MX_GDN_CPW % CH == 0, "gdn.cuh: CH must divide the columns per warp");
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int hk = j / QMK_GDN_HEAD_GROUP;
@@ -156,7 +162,8 @@ __device__ __forceinline__ void mx_gdn_step_head_pre(const mx_u16* __restrict__ 
 #pragma unroll
         for (int t = 0; t < 3; ++t) {
             const int p = pos - 3 + t;
-            xin[t] = p >= 0 ? ring[(size_t)(p % QMK_CONV_RING) * QMK_GDN_CONV_DIM + ch] : (mx_u16)0;
+            xin[t] = p >= pos - hist ? qkv[(ptrdiff_t)(p - pos) * QMK_GDN_CONV_DIM + ch]
+                   : p >= 0 ? ring[(size_t)(p % QMK_CONV_RING) * QMK_GDN_CONV_DIM + ch] : (mx_u16)0;
         }
 #pragma unroll
         for (int i = 0; i < MR; ++i) xin[3 + i] = i < M ? qkv[(size_t)i * QMK_GDN_CONV_DIM + ch] : (mx_u16)0;
@@ -182,7 +189,7 @@ __device__ __forceinline__ void mx_gdn_step_head_pre(const mx_u16* __restrict__ 
             const float y = mx_round_bf(mx_silu(mx_round_bf((float)acc)));
             if (c < 2 * QMK_GDN_DK) sm.qk[i][c / QMK_GDN_DK][c % QMK_GDN_DK] = y;
             else sm.v[i][c - 2 * QMK_GDN_DK] = y;
-            if (c >= 2 * QMK_GDN_DK || writes_qk) ring[(size_t)((pos + i) % QMK_CONV_RING) * QMK_GDN_CONV_DIM + ch] = xin[3 + i];
+            if (ring_write && (c >= 2 * QMK_GDN_DK || writes_qk)) ring[(size_t)((pos + i) % QMK_CONV_RING) * QMK_GDN_CONV_DIM + ch] = xin[3 + i];
         }
     }
     MX_GDN_STAMP(3);

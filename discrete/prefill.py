@@ -1,0 +1,197 @@
+"""GPU prefill of a prompt chunk: the decode step's math over thousands of rows at once, bit-identical per row to
+the M ≤ 8-row decode passes (docs/step.md, "Prefill").
+
+Per layer, for a chunk of C rows at positions pos … pos+C−1 (one launch each unless noted):
+
+=============  ==========================================================================================
+norm           ``qmk_rmsnorm_rows_grid`` (one block per row; the bits of the decode step's fused norm)
+in_proj        :class:`discrete.gemm.Gemm` (store) on the fused in-projection, at the decode op's split-K
+               factor, then its column segments copied out (qkv | z, or q·gate | k | v)
+GDN            ``qmk_gdn_prefill``: the decode step's device function over row tiles of 8, state kept in
+               the block; then ``qmk_gdn_ring_fill`` leaves the conv ring as decode would
+attention      the decode attention kernels (prep, scores, values, reduce) on row tiles of 8, reading and
+               writing the paged KV cache (C/8 tiles of 4 launches)
+out_proj       Gemm (residual)
+post norm      ``qmk_rmsnorm_rows_grid``
+MLP            Gemm (swiglu) on gate|up, Gemm (residual) on down
+=============  ==========================================================================================
+
+The GEMM equals the GEMV bit for bit at the same split (docs/kernels-gemm.md); the GDN and attention rows run
+the decode kernels' device functions in the same order; so the residual stream, the GDN recurrent state and conv
+ring, and the KV pages after a chunk are exactly what eager decode passes over the same ids leave, and a prompt
+split into any chunks gives the same bits as one pass (no anchoring of a chunk grid is needed). The lm_head is
+not run here: the caller runs the prompt's last id as a decode step (``DecodeStep.replay`` / ``run_eager``),
+which gives the logits, the device argmax and the control-block update of that row.
+
+Scratch for ``chunk`` rows is allocated at construction (start-up); a call allocates nothing.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from assembler.numerics import MAX_ROWS
+from discrete.build import load_module
+from discrete.gdn import CONV_RING, module as gdn_module
+from discrete.gemm import Gemm
+from discrete.launch import kernels
+from discrete.step import control_defines
+from discrete.attention import SCORE_THREADS, THREADS as ATT_THREADS
+from loader.config import FIRST_PADDING_ID
+
+DEFAULT_CHUNK = 2048  # rows per prefill launch sequence (GEMM M); scratch ≈ 0.35 GB at the 27B's shapes
+
+
+class Prefill:
+    """Chunked GPU prefill bound to a :class:`discrete.step.DecodeStep` (its weights, GDN state, conv rings, KV
+    session and stream).
+
+    ``chunk``: rows per pass (a multiple of 8, ≥ 8); larger chunks run the projection GEMMs at larger M.
+    ``run(ids)`` processes int ids at the step's position and advances it (host and control block) by len(ids).
+    Raises ValueError for an empty prompt, ids outside [0, FIRST_PADDING_ID) or past the step's capacity."""
+
+    def __init__(self, dstep, chunk: int = DEFAULT_CHUNK):
+        import cupy as cp
+        chunk = int(chunk)
+        if chunk < MAX_ROWS or chunk % MAX_ROWS:
+            raise ValueError(f"Prefill: chunk={chunk}; expected a positive multiple of {MAX_ROWS}")
+        self.d, self.chunk = dstep, chunk
+        cfg, W, g = dstep.cfg, dstep.w, dstep.graph
+        self.cfg = cfg
+        H = cfg.hidden_size
+        fin = load_module(cfg, ("finish.cu",), control_defines())
+        self._k_norm = fin.get_function("qmk_rmsnorm_rows_grid")
+        gm = gdn_module(cfg)
+        self._k_gdn, self._k_ring = gm.get_function("qmk_gdn_prefill"), gm.get_function("qmk_gdn_ring_fill")
+        self.gemm = []
+        n_in = 0
+        for i, L in enumerate(W.layers):
+            ops = {}
+            for key, name in (("in", "in"), ("out", "out"), ("gate_up", "gateup"), ("down", "down")):
+                seg = g.op(f"L{i}.{name}").segments[0]
+                epi = "store" if key == "in" else seg.epilogue
+                ops[key] = Gemm(cfg, L[key].w, L[key].scale, epilogue=epi, split=seg.split, name=f"L{i}.{key}.gemm")
+            n_in = max(n_in, ops["in"].plan.N)
+            self.gemm.append(ops)
+        F = W.layers[0]["gate_up"].w.shape[0] // 2
+        nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        C = chunk
+        u16 = cp.uint16
+        self.ids = cp.zeros(C, cp.int32)
+        self.x, self.xn, self.xm = (cp.empty((C, H), u16) for _ in range(3))
+        self.y = cp.empty(C * n_in, u16)                                      # flat: viewed [C', N] per layer
+        self.qkv = cp.empty((C, cfg.gdn_conv_dim), u16)
+        self.z = cp.empty((C, cfg.gdn_value_dim), u16)
+        self.qg = cp.empty((C, 2 * nq * hd), u16)
+        self.k = cp.empty((C, nkv * hd), u16)
+        self.v = cp.empty((C, nkv * hd), u16)
+        self.o = cp.empty(C * max(cfg.gdn_value_dim, nq * hd), u16)          # flat: the mixer's output [C', n]
+        self.act = cp.empty((C, F), u16)
+        self.tile_pos = cp.zeros(C // MAX_ROWS, cp.int32)  # position of row 0 of each 8-row attention tile
+        self.nbytes = sum(a.nbytes for a in (self.ids, self.x, self.xn, self.xm, self.y, self.qkv, self.z, self.qg,
+                                             self.k, self.v, self.o, self.act, self.tile_pos))
+
+    def poison(self) -> None:
+        """Fill the scratch with NaN bit patterns (tests: a row read before it is written shows up)."""
+        with self.d.stream:
+            for a in (self.x, self.xn, self.xm, self.y, self.qkv, self.z, self.qg, self.k, self.v, self.o, self.act):
+                a.fill(0x7FC1)
+
+    def run(self, ids, profile: dict | None = None) -> None:
+        """Prefill ``ids`` (int sequence, ≥ 1) at the step's position, in passes of ``chunk`` rows; enqueued on
+        the step's stream (no host synchronisation except the position table's copy). ``profile``: a dict to
+        which the GPU milliseconds between CUDA events around each category (embed, norm, gemm, split, gdn,
+        attn) are added (benchmarks; it synchronises at the end of each chunk)."""
+        d = self.d
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        if ids.size < 1:
+            raise ValueError("Prefill.run: no ids")
+        if ids.min() < 0 or ids.max() >= FIRST_PADDING_ID:
+            raise ValueError(f"Prefill.run: token ids must lie in [0, {FIRST_PADDING_ID})")
+        if d.pos + ids.size > d.capacity:
+            raise ValueError(f"Prefill.run: positions {d.pos}..{d.pos + ids.size - 1} exceed capacity {d.capacity}")
+        for s in range(0, ids.size, self.chunk):
+            self._chunk(ids[s:s + self.chunk], profile)
+
+    def _chunk(self, ids: np.ndarray, profile: dict | None) -> None:
+        import cupy as cp
+        d, cfg, W = self.d, self.cfg, self.d.w
+        marks: list = []
+
+        def mark(cat: str) -> None:  # the span from this event to the next one belongs to ``cat``
+            if profile is not None:
+                e = cp.cuda.Event()
+                e.record(d.stream)
+                marks.append((cat, e))
+
+        C, pos, H = int(ids.size), int(d.pos), cfg.hidden_size
+        i32 = np.int32
+        x, xn, xm = self.x[:C], self.xn[:C], self.xm[:C]
+        with d.stream:
+            self.ids[:C].set(ids.astype(np.int32), stream=d.stream)
+            ntile = -(-C // MAX_ROWS)
+            self.tile_pos[:ntile].set((pos + MAX_ROWS * np.arange(ntile)).astype(np.int32), stream=d.stream)
+            mark("embed")
+            d.embed._fn((C,), (256,), (d.embed.table, self.ids, i32(d.embed.H), i32(d.embed.V), x))
+            for i, (L, ops, g) in enumerate(zip(W.layers, d.layer_ops, self.gemm)):
+                mark("norm")
+                self._k_norm((C,), (256,), (x, L["in_norm"], xn, i32(H)))
+                mark("gemm")
+                y = self.y[:C * g["in"].plan.N].reshape(C, -1)
+                g["in"](xn, y)
+                c1, c2 = ops["in_cuts"]
+                n_o = cfg.gdn_value_dim if "gdn" in ops else cfg.num_attention_heads * cfg.head_dim
+                o = self.o[:C * n_o].reshape(C, n_o)
+                mark("split")
+                if "gdn" in ops:
+                    qkv, z = self.qkv[:C], self.z[:C]
+                    qkv[...] = y[:, :c1]
+                    z[...] = y[:, c1:c2]
+                    mark("gdn")
+                    w_a, w_b, a_log, dt_bias, conv_w, norm_w = ops["gdn"].w
+                    self._k_gdn((cfg.linear_num_value_heads,), (512,),
+                                (qkv, z, xn, w_a, w_b, a_log, dt_bias, conv_w, norm_w, d.ring[i], d.rec[i], o,
+                                 i32(pos), i32(C)))
+                    self._k_ring((min(C, CONV_RING),), (256,), (qkv, d.ring[i], i32(pos), i32(C)))
+                else:
+                    qg, k, v = self.qg[:C], self.k[:C], self.v[:C]
+                    qg[...] = y[:, :c1]
+                    k[...] = y[:, c1:c2]
+                    v[...] = y[:, c2:]
+                    mark("attn")
+                    self._attention(ops, qg, k, v, o, C)
+                mark("gemm")
+                g["out"](o, xm, residual=x)
+                mark("norm")
+                self._k_norm((C,), (256,), (xm, L["post_norm"], xn, i32(H)))
+                mark("gemm")
+                g["gate_up"](xn, self.act[:C])
+                g["down"](self.act[:C], x, residual=xm)
+            mark("end")
+        if profile is not None:
+            marks[-1][1].synchronize()
+            for (cat, a), (_, b) in zip(marks, marks[1:]):
+                profile[cat] = profile.get(cat, 0.0) + cp.cuda.get_elapsed_time(a, b)
+        d.advance(C)
+
+    def _attention(self, ops, qg, k, v, o, C: int) -> None:
+        """The decode attention kernels (``discrete.attention.AttnDecode``'s four stages, its scratch) over 8-row
+        tiles in order, tile t at positions pos+8t…; the operands were checked once, so each tile passes raw row
+        pointers (an eager launch costs ≈ 8 µs of Python; there are C/8 × 4 per layer)."""
+        d, a, cfg = self.d, ops["attn"], self.cfg
+        nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        u64, i32 = np.uint64, np.int32
+        base, ps, cap = u64(d.kv.layer_base(ops["attn_layer"])), np.int64(d.kv.page_stride), i32(a.capacity)
+        tbl = d.sess.table
+        kp, ks, kv_, kr = a.k_prep.raw, a.k_scores.raw, a.k_values.raw, a.k_reduce.raw
+        grid = (a.parts, nkv)
+        p_qg, p_k, p_v, p_o, p_pos = qg.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, self.tile_pos.data.ptr
+        b_qg, b_kv, b_o = 2 * qg.shape[1], 2 * k.shape[1], 2 * o.shape[1]  # row bytes
+        for t in range(-(-C // MAX_ROWS)):
+            r0 = t * MAX_ROWS
+            m = i32(min(MAX_ROWS, C - r0))
+            pq, pp = u64(p_qg + r0 * b_qg), u64(p_pos + 4 * t)
+            kp((int(m), nq + nkv), (32,), (pq, u64(p_k + r0 * b_kv), u64(p_v + r0 * b_kv), a.q_norm_w, a.k_norm_w,
+                                           a.inv_freq, tbl, ps, base, a.q, pp))
+            ks(grid, (SCORE_THREADS,), (a.q, base, tbl, ps, a.scores, cap, a.stats_m, a.stats_l, pp, m))
+            kv_(grid, (ATT_THREADS,), (base, tbl, ps, a.scores, cap, a.stats_m, a.stats_l, a.partial, pp, m))
+            kr((int(m), nq), (hd,), (a.partial, pq, u64(p_o + r0 * b_o), pp))
