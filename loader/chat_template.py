@@ -23,7 +23,12 @@ _ROLES = ("system", "user", "assistant", "tool")
 
 
 class ChatTemplateError(ValueError):
-    """A conversation the template cannot render: names the message (by index) or the template's own message."""
+    """A conversation the template cannot render: names the message (by index) or the template's own message.
+    ``reason``: the message without the template file's path (what a server may show its clients)."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = message if reason is None else reason
 
 
 def _raise_exception(message):
@@ -146,7 +151,8 @@ class ChatTemplate:
                                      add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
                                      **{**self.special_tokens, **kwargs})
         except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"{self.origin}: {e.message if hasattr(e, 'message') else e}") from None
+            reason = e.message if hasattr(e, "message") else str(e)
+            raise ChatTemplateError(f"{self.origin}: {reason}", reason) from None
 
 
 def append_only(render_k: str, render_k1: str, tokenizer) -> tuple[bool, int | None]:

@@ -157,7 +157,7 @@ def agent_kwargs(kw: dict) -> dict:
         try:
             out["tool_choice"] = normalize_tool_choice(kw["tool_choice"], tools)
         except RequestError as e:
-            raise RequestError(f"--tool-choice: {e}", "--tool-choice") from None
+            raise RequestError(f"--tool-choice: {str(e).removeprefix('tool_choice: ')}", "--tool-choice") from None
     if kw["no_tool_grammar"]:
         out["tool_grammar"] = False
     given = [n for n, v in (("--response-format", kw["response_format"]), ("--json-schema", kw["json_schema_file"]),

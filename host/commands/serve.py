@@ -1,13 +1,17 @@
 """``qwen-mk serve``: the OpenAI-compatible HTTP server (``host.server``; docs/server.md).
 
 Binds the address first (a port in use fails before the model loads), loads the engine once, then serves with
-uvicorn and prints ``qwen-mk serve: ready at http://HOST:PORT/v1`` on stderr. SIGINT / SIGTERM stop accepting
-connections and let the requests in flight finish (``--drain-timeout`` seconds at most; past it they are
-cancelled at their next step), then the engine thread ends and the command exits 0.
+uvicorn and prints ``qwen-mk serve: ready at http://HOST:PORT/v1`` on stderr. SIGINT / SIGTERM start the drain:
+the socket stays open, ``/health`` answers 503 and new requests 503, the requests already queued or running finish
+(``--drain-timeout`` seconds at most; past it they are cancelled at their next step); then the socket closes,
+the answers in flight finish sending, the engine thread ends and the command exits 0. A second signal stops at
+once.
 """
 from __future__ import annotations
 
+import math
 import socket
+import time
 
 import click
 
@@ -35,7 +39,12 @@ def serve_app(app, sock: socket.socket, *, drain_timeout: float | None = 60.0, l
     returned server's ``should_exit`` is set (in another thread). ``on_ready(host, port)`` runs once listening."""
     import uvicorn  # deferred: the server's extra
 
+    srv = app.state.server
+    budget = math.inf if drain_timeout is None else drain_timeout
+
     class _Server(uvicorn.Server):
+        drain_end: float | None = None  # monotonic deadline once the first signal came
+
         async def startup(self, sockets=None):
             await super().startup(sockets)
             if on_ready is not None and not self.should_exit:
@@ -43,8 +52,22 @@ def serve_app(app, sock: socket.socket, *, drain_timeout: float | None = 60.0, l
                 on_ready(h, p)
 
         def handle_exit(self, sig, frame):
-            app.state.server.draining = True  # /health says 503 and new requests are refused while draining
-            super().handle_exit(sig, frame)
+            if self.drain_end is None:  # the first signal: refuse new requests, keep listening (/health says 503)
+                srv.draining = True
+                self.drain_end = time.monotonic() + budget
+                self._captured_signals.append(sig)
+                return
+            super().handle_exit(sig, frame)  # a second one: stop now
+            self.force_exit = True
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.drain_end is not None and not self.should_exit:
+                left = self.drain_end - time.monotonic()
+                if (srv.worker.running is None and not srv.worker.waiting) or left <= 0:
+                    # the engine is idle (or the time is up): close the socket, let the answers finish sending
+                    self.config.timeout_graceful_shutdown = None if left == math.inf else max(left, 0.1)
+                    self.should_exit = True
+            return await super().on_tick(counter)
 
         async def shutdown(self, sockets=None):
             await super().shutdown(sockets)

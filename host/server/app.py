@@ -22,15 +22,19 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from host.errors import EngineError, PromptTooLong, RequestError
+from host.grammar import TOOL_CHOICES
 from host.limits import SAMPLING_EPS
 from host.server.output import ChatOutput, chat_logprobs, completion_logprobs
-from host.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from host.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_messages, path,
+                                  range_error)
+from loader.chat_template import ChatTemplateError
 from host.server.worker import Job, QueueFull, Worker
 from host.session import prepare, render_turn, session_capacity
 
 log = logging.getLogger("qwen-mk.serve")
 POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}  # pydantic's names of union members
+_RANGE_ERRORS = {"finite_number", "greater_than", "greater_than_equal", "less_than", "less_than_equal"}
 
 # the first word of an engine message ("temperature: ...") -> the request field it is about
 _PARAM = {"max_new_tokens": "max_tokens", "chat": "messages", "prompt": "prompt", "logprobs": "top_logprobs",
@@ -60,6 +64,42 @@ def engine_error(e: EngineError, prompt_field: str = "messages") -> APIError:
         param = _PARAM.get(head, prompt_field if head in ("prompt", "chat") else None)
         return APIError(400, msg, param=param)
     return APIError(500, msg, type="internal_server_error")
+
+
+def render_error(e: EngineError) -> APIError:
+    """A conversation the template refuses as a 400 on ``messages``, its reason without the template's path."""
+    cause = e.__cause__
+    if isinstance(cause, ChatTemplateError):
+        return APIError(400, f"messages: the chat template cannot render the conversation: {cause.reason}",
+                        param="messages")
+    return engine_error(e, "messages")
+
+
+def check_tool_choice(choice) -> None:
+    """400 for a string ``tool_choice`` other than none / auto / required (a function is named with an object)."""
+    if isinstance(choice, str) and choice not in TOOL_CHOICES:
+        raise APIError(400, f"tool_choice: invalid value {choice[:80]!r}; expected 'none', 'auto', 'required' or "
+                            f"{{'type': 'function', 'function': {{'name': ...}}}}", param="tool_choice")
+
+
+def _field_path(loc) -> str:
+    """The request field of a pydantic error location: the body prefix and union member names dropped."""
+    loc = list(loc[1:] if loc[:1] == ("body",) else loc)
+    for i, x in enumerate(loc):
+        if isinstance(x, str) and ("[" in x or "-" in x or x in _TYPE_TAGS):
+            return path(loc[:i])  # pydantic names the member of a union it tried: not a field
+    return path(loc)
+
+
+def validation_message(model, errs: list[dict]) -> str:
+    """One line for pydantic's errors (the first five, each once): ``field.path: what is wrong``."""
+    lines: list[str] = []
+    for er in errs[:5]:
+        line = (range_error(model, er) if er.get("type") in _RANGE_ERRORS else None) or \
+            f"{_field_path(er.get('loc', ())) or 'body'}: {er.get('msg')}"
+        if line not in lines:
+            lines.append(line)
+    return "; ".join(lines)
 
 
 def _sse(obj) -> str:
@@ -204,20 +244,15 @@ def create_app(engine, served_model_name: str = "qwen3.5-tiny-trained", api_key:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_req, e: RequestValidationError):
+    async def _invalid(req: Request, e: RequestValidationError):
         errs = e.errors()
         first = errs[0] if errs else {}
-        loc = []
-        for x in first.get("loc", ())[1:] if first.get("loc", ("",))[0] == "body" else first.get("loc", ()):
-            if isinstance(x, str) and ("[" in x or "-" in x or x in _TYPE_TAGS):
-                break  # pydantic names the member of a union it tried: not a field
-            loc.append(str(x))
-        param = ".".join(loc) or None
+        param = _field_path(first.get("loc", ())) or None
         if first.get("type") == "json_invalid":
             msg, param = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
         else:
-            msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()) if x != 'body') or 'body'}: "
-                            f"{er.get('msg')}" for er in errs[:5])
+            model = ChatCompletionRequest if req.url.path.endswith("/chat/completions") else CompletionRequest
+            msg = validation_message(model, errs)
         return JSONResponse(APIError(400, msg, param=param).body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -263,23 +298,32 @@ def create_app(engine, served_model_name: str = "qwen3.5-tiny-trained", api_key:
         if not isinstance(thinking, bool):
             raise APIError(400, "chat_template_kwargs.enable_thinking: expected a boolean",
                            param="chat_template_kwargs.enable_thinking")
+        check_tool_choice(req.tool_choice)
+        check_messages(req.messages)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools is not None else None
         try:
-            ids, marks = await run_in_threadpool(render_turn, engine, req.messages, req.tools, thinking)
+            ids, marks = await run_in_threadpool(render_turn, engine, req.messages, tools, thinking)
         except EngineError as e:
-            raise engine_error(e, "messages") from None
+            raise render_error(e) from None
         if req.top_logprobs is not None and not req.logprobs:  # OpenAI and vLLM refuse it too
             raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
         n_lp = (req.top_logprobs or 0) if req.logprobs else None
         kw = srv.gen_kwargs(req, len(ids), req.max_completion_tokens or req.max_tokens, n_lp)
-        kw.update(checkpoint_at=[*marks, len(ids)], tools=req.tools, tool_choice=req.tool_choice,
+        kw.update(checkpoint_at=[*marks, len(ids)], tools=tools, tool_choice=req.tool_choice,
                   response_format=req.response_format, reasoning=thinking)
         job = await srv.submit(ids, kw, "messages")
         out = ChatOutput(thinking)
         stop_ids = set(engine.cfg.eos_token_ids)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def finish_reason(r) -> str:  # the engine's grammar_dead_end (the grammar admits nothing more) is a stop
-            return "stop" if r.finish_reason == "grammar_dead_end" else r.finish_reason
+        named = isinstance(req.tool_choice, dict)
+
+        def finish_reason(r) -> str:
+            """The engine's grammar_dead_end (the grammar admits nothing more) is a stop; so is the call a named
+            tool_choice forced (vLLM answers ``stop`` there: the call was asked for, not chosen)."""
+            if r.finish_reason == "grammar_dead_end" or (named and r.finish_reason == "tool_calls"):
+                return "stop"
+            return r.finish_reason
 
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -301,6 +345,10 @@ def create_app(engine, served_model_name: str = "qwen3.5-tiny-trained", api_key:
         srv.check_unsupported(req)
         if req.suffix:
             raise APIError(400, "suffix: not supported", param="suffix")
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs: not supported; the prompt tokens' logprobs are not available "
+                                "(prefill computes the logits of the last prompt token only). Send echo or "
+                                "logprobs, not both", param="echo")
         p = req.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:

@@ -73,6 +73,15 @@ def test_bad_flags_exit_2_before_loading(fake_engine, tmp_path, content, extra, 
     assert fake_engine == []  # refused before any model was loaded
 
 
+def test_bad_tool_choice_names_the_flag_once(fake_engine, tmp_path):
+    p = tmp_path / "tools.json"
+    p.write_text(json.dumps([WEATHER]))
+    r = run(["generate", "--tools", str(p), "--tool-choice", "nope", "hi"])
+    assert r.exit_code == 2
+    assert r.stderr.startswith("qwen-mk: error: --tool-choice: function 'nope' is not among the tools"), r.stderr
+    assert "tool_choice:" not in r.stderr
+
+
 def test_json_schema_file_not_json(fake_engine, tmp_path):
     p = tmp_path / "s.json"
     p.write_text("{'single': 'quotes'}")

@@ -293,6 +293,63 @@ def test_bad_chat_request_gets_its_4xx(served, body, status, param):
     assert "Traceback" not in err["error"]["message"]
 
 
+USER = [{"role": "user", "content": "x"}]
+WORDED = [  # (body, param, words the message holds, words it must not hold)
+    ({"messages": USER, "tools": [WEATHER], "tool_choice": "get_weather"}, "tool_choice",
+     ["'none'", "'auto'", "'required'"], ["not among"]),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", ["user message needs content"], []),
+    ({"messages": [{"role": "user"}]}, "messages[0].content", ["user message needs content"], []),
+    ({"messages": USER + [{"role": "assistant", "content": None}]}, "messages[1].content", ["tool_calls"], []),
+    ({"messages": USER + [{"role": "system", "content": "late"}]}, "messages",
+     ["system message must be the first"], [".json", "/", "cache"]),
+    (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', "temperature",
+     ["temperature", "from 0 to 2", "NaN"], []),
+    ({"messages": USER, "temperature": 2.5}, "temperature", ["from 0 to 2", "2.5"], []),
+    ({"messages": USER, "tools": [{"name": "get_weather"}]}, "tools[0].function", ["tools[0].function: "],
+     ["pydantic", "validation error", "Param"]),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": 3}}]}, "tools[0].function.name",
+     ["tools[0].function.name: "], ["pydantic"]),
+    ({"messages": USER, "tools": [{"type": "tool", "function": {"name": "f"}}]}, "tools[0].type",
+     ["tools[0].type: "], ["pydantic"]),
+]
+
+
+@pytest.mark.parametrize("body,param,words,unwanted", WORDED, ids=[f"worded{i}" for i in range(len(WORDED))])
+def test_bad_chat_request_message_names_the_field(served, body, param, words, unwanted):
+    got, err, _ = post(served.url + "/v1/chat/completions", body)
+    msg = err["error"]["message"]
+    assert got == 400 and err["error"]["param"] == param, err
+    assert all(w in msg for w in words) and not any(w in msg for w in unwanted), msg
+
+
+def test_null_content_with_tool_calls_is_accepted(served):
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    msgs = [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": None,
+                                                             "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 3}'}]
+    got, body, _ = post(served.url + "/v1/chat/completions", {"messages": msgs, "tools": [WEATHER], "max_tokens": 1,
+                                                               "temperature": 0})
+    assert got == 200, body
+
+
+def test_named_tool_choice_finishes_with_stop_as_vllm(served):
+    msgs = [{"role": "user", "content": "What's the weather in Paris in celsius?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = chat(served, msgs, tools=[WEATHER], tool_choice=named, max_tokens=80)
+    assert r.choices[0].finish_reason == "stop"
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"]
+    finish = [ch.choices[0].finish_reason for ch in chat(served, msgs, tools=[WEATHER], tool_choice=named,
+                                                         max_tokens=80, stream=True) if ch.choices]
+    assert [f for f in finish if f] == ["stop"]
+
+
+def test_echo_with_logprobs_is_refused(served):
+    got, err, _ = post(served.url + "/v1/completions", {"prompt": "import os", "echo": True, "logprobs": 1})
+    assert got == 400 and err["error"]["param"] == "echo" and "prompt tokens' logprobs" in err["error"]["message"]
+    c = served.client.completions.create(model=NAME, prompt="import os", max_tokens=2, temperature=0, echo=True)
+    assert c.choices[0].text.startswith("import os")
+
+
 @pytest.mark.parametrize("body,param", [({"prompt": [999999999]}, "prompt"), ({"prompt": ""}, "prompt"),
                                         ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": 3}, "prompt"),
                                         ({"prompt": "x", "max_tokens": 600}, "max_tokens")])

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,47 @@ def test_signal_drains_the_stream_in_flight_and_exits_0(sig):
         assert p.wait(60) == 0
         with pytest.raises(OSError):  # the port is closed
             socket.create_connection((host, port), timeout=5)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    err = "".join(lines)
+    assert "qwen-mk serve: stopped" in err and "Traceback" not in err, err
+
+
+def get(host: str, port: int, path: str) -> tuple[int, dict]:
+    c = http.client.HTTPConnection(host, port, timeout=30)
+    c.request("GET", path)
+    r = c.getresponse()
+    return r.status, json.loads(r.read())
+
+
+def test_health_is_503_while_draining_and_new_requests_are_refused():
+    p, host, port, lines = start()
+    try:
+        assert get(host, port, "/health")[0] == 200
+        c = http.client.HTTPConnection(host, port, timeout=120)
+        body = {"messages": [{"role": "user", "content": "def fibonacci(n): # disconnect"}], "max_tokens": 150,
+                "temperature": 0, "stream": True}  # greedy runs to max_tokens here (no EOS): seconds of decode
+        c.request("POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"})
+        r = c.getresponse()
+        assert r.readline().startswith(b"data: ")
+        p.send_signal(signal.SIGTERM)
+        end = time.monotonic() + 10
+        while (got := get(host, port, "/health"))[0] == 200:  # the signal handler runs between bytecodes
+            assert time.monotonic() < end, "/health never turned 503"
+            time.sleep(0.05)
+        assert got == (503, {"status": "draining"})
+        time.sleep(0.5)  # still listening while the stream runs on (150 tokens take seconds)
+        assert get(host, port, "/health") == (503, {"status": "draining"})
+        c2 = http.client.HTTPConnection(host, port, timeout=30)
+        c2.request("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 1}),
+                   {"content-type": "application/json"})
+        r2 = c2.getresponse()
+        assert r2.status == 503 and json.loads(r2.read())["error"]["type"] == "service_unavailable"
+        rest = r.read().decode()
+        events = [json.loads(x[6:]) for x in rest.split("\n\n") if x.startswith("data: {")]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"  # the stream in flight ran to its end
+        assert p.wait(60) == 0
     finally:
         if p.poll() is None:
             p.kill()
