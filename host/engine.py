@@ -14,6 +14,7 @@ state and processes only what a new turn appends (``host.session``).
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -77,8 +78,9 @@ class Engine:
         whose state does not fit in memory), ExecutorUnavailable (a valid executor that cannot run here: a GPU
         one without a GPU, or the cpu executor, the default without a GPU, for a model too large for it such as the
         27B preset), EnvironmentIOError (the first-use cache directory, ``$QWEN_MK_CACHE``, cannot be written:
-        read-only, full, or a file; nothing partial is left in it). ``quiet`` drops the stderr warning printed for synthetic weights (a preset, or a directory
-        written by ``qwen-mk make-checkpoint``).
+        read-only, full, or a file; nothing partial is left in it). ``quiet`` drops the stderr warnings printed for synthetic weights (a preset, or a directory
+        written by ``qwen-mk make-checkpoint``) and for what the checkpoint reader tolerated (``Checkpoint.warnings``:
+        a checkpoint without its ``mtp.*`` head loads with speculation off).
         """
         kind = executor or default_kind()
         check_kind(kind)  # before reading any weights
@@ -99,6 +101,8 @@ class Engine:
                 weights = SyntheticWeights(preset(synthetic), seed)  # drawn on the GPU by the executor
             else:
                 weights = Checkpoint.open(model_dir)
+                for w in weights.warnings if not quiet else ():  # what the loader tolerated (a missing MTP head)
+                    print(f"qwen-mk: warning: {w}", file=sys.stderr)
             tokenizer = Tokenizer.from_checkpoint(model_dir)
             template = ChatTemplate.from_checkpoint(model_dir)
         except (CheckpointError, ConfigError, TokenizerError, FileNotFoundError, OSError, ValueError) as e:

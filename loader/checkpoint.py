@@ -152,7 +152,9 @@ def dequantize(w: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
 def read_header(path: Path) -> tuple[dict[str, tuple[np.dtype, tuple[int, ...], int, int]], int]:
     """Parse a safetensors file's header. Returns ({stored name: (dtype, shape, start, end)}, data offset) with
     absolute byte offsets into the file. Raises CheckpointError naming the file and tensor for a malformed
-    header, an unknown dtype, a size mismatch or a file shorter than its header says (truncated)."""
+    header, an unknown dtype, a size mismatch or a file shorter than its header says (truncated). A vision
+    tensor (``model.visual.*``, ignored by the engine) of a dtype the engine does not know is listed with dtype
+    None and offsets 0, unchecked."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as fh:
@@ -171,6 +173,9 @@ def read_header(path: Path) -> tuple[dict[str, tuple[np.dtype, tuple[int, ...], 
         if name == "__metadata__":
             continue
         st = info.get("dtype")
+        if st not in ST_DTYPES and name.startswith(VISION_PREFIX):  # never read: its dtype does not matter
+            out[name] = (None, tuple(int(d) for d in info.get("shape", ())), 0, 0)
+            continue
         if st not in ST_DTYPES:
             raise CheckpointError(f"{path}: tensor {name!r} has dtype {st!r}; expected one of {sorted(ST_DTYPES)}")
         dt, shape = ST_DTYPES[st], tuple(int(d) for d in info["shape"])
@@ -194,10 +199,11 @@ class Checkpoint:
     read-only array backed by the shard's memory map; nothing is read until it is touched.
     """
 
-    def __init__(self, path: Path, config: ModelConfig, entries: dict[str, tuple]):
+    def __init__(self, path: Path, config: ModelConfig, entries: dict[str, tuple], warnings: list[str] | None = None):
         self.path, self.config = path, config
         self._entries = entries          # canonical -> (file, stored name, dtype, shape, start, end)
         self._maps: dict[Path, np.memmap] = {}
+        self.warnings = list(warnings or [])  # what was tolerated (one line each); Engine.load prints them
         order = list(expected_tensors(config))
         self._names = [n for n in order if n in entries] + sorted(set(entries) - set(order))
 
@@ -211,7 +217,27 @@ class Checkpoint:
         f, _, dt, shape, b, e = self._entries[name]
         if f not in self._maps:
             self._maps[f] = np.memmap(f, dtype=np.uint8, mode="r")
-        return self._maps[f][b:e].view(dt).reshape(shape)
+        a = self._maps[f][b:e].view(dt).reshape(shape)
+        if name.endswith(SCALE_SUFFIX) and dt == ST_DTYPES["F32"]:
+            return self._scale_to_bf16(name, a)
+        return a
+
+    def _scale_to_bf16(self, name: str, v: np.ndarray) -> np.ndarray:
+        """A float32 scale tensor as bfloat16 (DeepSeek's checkpoints store F32 scales; the engine's kernels read
+        bf16). Exact or refused: raises CheckpointError naming the file, the tensor and the first finite value that
+        bfloat16 does not hold (non-finite values pass through, for :meth:`validate` to report)."""
+        f, s, *_ = self._entries[name]
+        out = v.astype(ml_dtypes.bfloat16)
+        back = out.astype(np.float32)
+        bad = np.isfinite(v) & (back.view(np.uint32) != np.ascontiguousarray(v).view(np.uint32))
+        if bad.any():
+            i = tuple(int(x) for x in np.argwhere(bad)[0])
+            raise CheckpointError(f"{f}: scale tensor {s!r} is F32 and {int(bad.sum())} of its {v.size} value(s) are "
+                                  f"not exactly representable in bfloat16, first {float(v[i])!r} at block {i} (bfloat16 "
+                                  f"rounds it to {float(back[i])!r}); expected BF16 scales, or F32 ones that bfloat16 "
+                                  "holds exactly")
+        out.flags.writeable = False
+        return out
 
     def file_of(self, name: str) -> tuple[Path, str]:
         """(shard path, stored name) of canonical tensor ``name``. Raises KeyError."""
@@ -250,7 +276,8 @@ class Checkpoint:
                     raise CheckpointError(f"{f}: tensor {s!r} duplicates {entries[c][1]!r} in "
                                           f"{entries[c][0].relative_to(root)} (both are {c!r})")
                 entries[c] = (f, s, dt, shape, b, e)
-        ck = cls(root, cfg, entries)
+        cfg, warns = _without_absent_mtp(root, cfg, entries)
+        ck = cls(root, cfg, entries, warns)
         if validate:
             ck.validate()
         return ck
@@ -282,6 +309,8 @@ class Checkpoint:
                 raise CheckpointError(f"{self.path}: incomplete checkpoint: missing tensor "
                                       f"{stored_name(self.config, c)!r} (expected {dtn} {shape}){more}")
             f, s, dt, got, _, _ = self._entries[c]
+            if c.endswith(SCALE_SUFFIX) and dt == ST_DTYPES["F32"] and dtn == BF16:
+                dt = ST_DTYPES["BF16"]  # converted exactly by get() (checked below, as every scale is read)
             if dt.name != dtn or got != shape:
                 raise CheckpointError(f"{f}: tensor {s!r}: expected {ST_NAMES[dtn]} {shape}"
                                       f", got {ST_NAMES.get(dt.name, dt.name)} {got}")
@@ -325,6 +354,23 @@ class Checkpoint:
                 f"{sm!r} ({n} such entr{'y' if n == 1 else 'ies'}); the engine loads that module as fp8 e4m3 with "
                 "128x128 block scales: expected only bfloat16 modules (embeddings, norms, lm_head, in_proj_a/b, "
                 "conv1d, mtp.fc, vision), as HF leaves unquantised every module whose dotted name contains an entry")
+
+
+def _without_absent_mtp(root: Path, cfg: ModelConfig, entries: dict) -> tuple[ModelConfig, list[str]]:
+    """(config, warnings): a checkpoint whose config.json promises an MTP head (``mtp_num_hidden_layers`` 1) but
+    that holds no ``mtp.*`` tensor at all, while every other expected tensor is there (a release that stripped the
+    head, a text-only conversion), loads as a model without one (``mtp_num_hidden_layers`` 0), with a warning:
+    speculative decoding is then off (``host.speculate.unavailable``). A partial ``mtp.*`` set, or one missing with
+    other tensors missing too, stays an incomplete checkpoint (:meth:`Checkpoint.validate`)."""
+    if not cfg.mtp_num_hidden_layers or any(c.startswith("mtp.") for c in entries):
+        return cfg, []
+    want = expected_tensors(cfg)
+    if any(c not in entries for c in want if not c.startswith("mtp.")):
+        return cfg, []
+    n = sum(c.startswith("mtp.") for c in want)
+    return cfg.replace(mtp_num_hidden_layers=0), [
+        f"{root}: no mtp.* tensors (config.json's mtp_num_hidden_layers {cfg.mtp_num_hidden_layers} expects the MTP "
+        f"head's {n}): loaded without the MTP head; speculative decoding is off"]
 
 
 def _shard_files(root: Path) -> dict[Path, set[str] | None]:

@@ -383,6 +383,32 @@ def _check_dtypes(cfg: dict, text: dict, source: str) -> None:
                                   "every other tensor bfloat16; or the all-bfloat16 release)")
 
 
+ROPE_NATIVE = ("default", "mrope")  # rope types that leave the native RoPE as it is (mrope: equal T/H/W positions)
+
+
+def _check_rope_scaling(cfg: dict, text: dict, rope: dict, source: str) -> None:
+    """Raise ConfigError naming ``source`` and the field for a RoPE scaling the engine does not implement: a
+    ``rope_parameters.rope_type``, or a ``rope_scaling`` object (transformers v4's name, top level or in
+    ``text_config``) whose ``rope_type`` / ``type`` is not the native RoPE (YaRN, linear, dynamic, ...). A
+    ``rope_scaling`` of null, or one holding only the mrope keys with ``rope_type`` 'default', is accepted."""
+    spots = [("rope_parameters", rope), ("rope_scaling", cfg.get("rope_scaling"))]
+    if text is not cfg:
+        spots.append(("text_config.rope_scaling", text.get("rope_scaling")))
+    for field, v in spots:
+        if v is None:
+            continue
+        v = _obj(v, field, source)
+        kind = v.get("rope_type", v.get("type", "default"))
+        if kind in ROPE_NATIVE or kind is None:
+            continue
+        factor = f" (factor {v['factor']!r})" if "factor" in v else ""
+        what = "YaRN" if kind == "yarn" else repr(kind)
+        raise ConfigError(f"{source}: config field '{field}' asks for {what} RoPE scaling{factor}; the engine "
+                          "implements only the native RoPE (rope_type 'default', up to max_position_embeddings "
+                          f"tokens): expected no {field.rsplit('.', 1)[-1]} entry, or rope_type 'default'; remove "
+                          "it to run at the native context")
+
+
 def _parse_fields(cfg: dict, text: dict, source: str) -> dict[str, Any]:
     """ModelConfig keyword arguments from the config.json objects (the text fields in ``text``)."""
     kw: dict[str, Any] = {}
@@ -412,8 +438,7 @@ def _parse_fields(cfg: dict, text: dict, source: str) -> dict[str, Any]:
     rope = {} if rope is None else _obj(rope, "rope_parameters", source)
     if "rope_theta" in rope or "rope_theta" in text:
         kw["rope_theta"] = _number(rope.get("rope_theta", text.get("rope_theta")), "rope_parameters.rope_theta", source)
-    if rope.get("rope_type", "default") not in ("default", None):
-        raise ConfigError(f"{source}: rope_parameters.rope_type {rope.get('rope_type')!r}: expected 'default'")
+    _check_rope_scaling(cfg, text, rope, source)
     prf = rope.get("partial_rotary_factor", text.get("partial_rotary_factor"))
     if prf is not None:
         kw["partial_rotary_factor"] = _number(prf, "rope_parameters.partial_rotary_factor", source)

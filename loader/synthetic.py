@@ -252,25 +252,39 @@ def _run_job(job):
     return None, None
 
 
-def _write_data(src: SyntheticWeights, names: list[str], fh, pool: WorkerPool, step=None) -> int:
-    """Stream the data section of a shard holding ``names``; returns bytes written (``step(n)`` after each
-    write of n bytes)."""
-    total, scales = 0, {}
+def _numpy_chunks(src: SyntheticWeights, names: list[str], pool: WorkerPool):
+    """The data section of a shard holding ``names``, in file order, drawn by NumPy in ``pool``'s processes."""
+    scales: dict[str, list] = {}
     for job, (data, sc) in pool.ordered(_run_job, _jobs(src, names)):
         if job[0] == "scale":
             data = np.concatenate(scales.pop(job[1])).tobytes()
         elif sc is not None:
             scales.setdefault(job[1].name, []).append(sc)
+        yield data
+
+
+def _write_data(src: SyntheticWeights, names: list[str], fh, pool: WorkerPool, step=None, generate=None) -> int:
+    """Stream the data section of a shard holding ``names`` (from ``generate(src, names)`` when given, else NumPy in
+    ``pool``); returns bytes written (``step(n)`` after each write of n bytes). Raises RuntimeError when the
+    generator's bytes do not add up to the header's."""
+    exp = expected_tensors(src.config)
+    want = sum(math.prod(exp[n][0]) * np.dtype(getattr(ml_dtypes, exp[n][1])).itemsize for n in names)
+    total = 0
+    for data in (generate(src, names) if generate is not None else _numpy_chunks(src, names, pool)):
+        n = memoryview(data).nbytes
         fh.write(data)
-        total += len(data)
+        total += n
         if step:
-            step(len(data))
+            step(n)
+    if total != want:
+        raise RuntimeError(f"shard of {len(names)} tensors ({names[0]} ... {names[-1]}): the generator gave {total} "
+                           f"bytes, the header says {want}")
     return total
 
 
 def write_checkpoint(cfg: ModelConfig, out_dir: str | Path, seed: int = 0, *, tokenizer: str = "require",
                      max_shard_bytes: int = MAX_SHARD_BYTES, single_file: bool = False, max_shards: int | None = None,
-                     workers: int = 1, log=None, progress: str | None = None) -> dict:
+                     workers: int = 1, log=None, progress: str | None = None, generate=None) -> dict:
     """Write a synthetic checkpoint of ``cfg`` into ``out_dir`` (created; existing files are overwritten):
     config.json, generation_config.json, ``model.safetensors.index.json`` + ``model-000NN-of-000MM.safetensors``
     shards of at most ``max_shard_bytes`` (or one ``model.safetensors`` with ``single_file``), and the
@@ -280,7 +294,10 @@ def write_checkpoint(cfg: ModelConfig, out_dir: str | Path, seed: int = 0, *, to
     index still maps every tensor to its planned shard and carries ``metadata.qwen_mk_partial`` (what was
     written), so :meth:`loader.checkpoint.Checkpoint.open` refuses the directory as an incomplete checkpoint
     naming the absent shard files. ``workers`` > 1 generates chunks in that many processes (same bytes; they
-ignore SIGINT, and on KeyboardInterrupt or an error the parent terminates them before re-raising). Memory
+    ignore SIGINT, and on KeyboardInterrupt or an error the parent terminates them before re-raising).
+    ``generate(src, names)``, when given, replaces the NumPy generator: it yields the bytes of a shard's tensors
+    ``names`` in file order (a scale after its weight), e.g. drawn on the GPU (``host.gpu_checkpoint``); the bytes
+    must be those of ``SyntheticWeights(cfg, seed).get`` (``workers`` is then unused). Memory
     stays bounded (a few generation chunks of ``CHUNK_ELEMS`` elements at a time). ``log(str)`` gets a line per
     shard; ``progress`` (a label saying what is written where) shows a bar of the shard bytes on stderr when it is
     a terminal (``loader.progress``). Returns {"seconds", "bytes"
@@ -314,7 +331,7 @@ ignore SIGINT, and on KeyboardInterrupt or an error the parent terminates them b
     src, weight_map, total = SyntheticWeights(cfg, seed), {}, 0
     to_write = sum(math.prod(exp[n][0]) * np.dtype(getattr(ml_dtypes, exp[n][1])).itemsize
                    for names in shards[:n_write] for n in names)
-    with WorkerPool(workers) as pool, Progress(to_write, progress or "", progress is not None) as bar:
+    with WorkerPool(1 if generate is not None else workers) as pool, Progress(to_write, progress or "", progress is not None) as bar:
         for k, names in enumerate(shards):
             fn = SINGLE_FILE if single_file else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
             weight_map.update((stored_name(cfg, n), fn) for n in names)  # every planned shard, written or not
@@ -322,7 +339,7 @@ ignore SIGINT, and on KeyboardInterrupt or an error the parent terminates them b
                 continue
             with open(out / fn, "wb") as fh:
                 fh.write(_header(cfg, names))
-                total += _write_data(src, names, fh, pool, bar.update)
+                total += _write_data(src, names, fh, pool, bar.update, generate)
             if log:
                 bar.log(log, f"{fn}: {len(names)} tensors, {total / 1e9:.2f} GB so far, "
                              f"{time.perf_counter() - t0:.1f} s")

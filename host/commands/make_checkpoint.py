@@ -18,7 +18,7 @@ from pathlib import Path
 import click
 
 from loader.config import PRESETS, preset
-from host.errors import GenerationInterrupted
+from host.errors import ExecutorUnavailable, GenerationInterrupted
 from loader.synthetic import MAX_SHARD_BYTES, sigint_ignored, write_checkpoint
 
 INTERRUPTED = GenerationInterrupted.exit_code  # 130, README's exit code of an interrupt (Ctrl-C)
@@ -45,6 +45,22 @@ def _out_error(msg: str) -> click.ClickException:
     return e
 
 
+def _generator(device: str, workers: int):
+    """(write_checkpoint's ``generate``, where the tensors are drawn, in words) for ``--device``. ``gpu`` without a
+    usable GPU is an error (exit 3, as an executor that cannot run here); ``auto`` falls back to the CPU."""
+    from host.gpu_checkpoint import gpu_chunks, gpu_usable
+    if device == "cpu":
+        return None, f"on the CPU, {workers} process(es)"
+    ok, why = gpu_usable()
+    if ok:
+        return gpu_chunks, f"on the GPU ({why})"
+    if device == "gpu":
+        e = click.ClickException(f"--device gpu: {why}; use --device cpu (NumPy, --workers processes)")
+        e.exit_code = ExecutorUnavailable.exit_code
+        raise e
+    return None, f"on the CPU, {workers} process(es)"
+
+
 @click.command(name="make-checkpoint")
 @click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)), required=True, help="model preset")
 @click.option("--out", type=click.Path(file_okay=False), required=True,
@@ -61,10 +77,14 @@ def _out_error(msg: str) -> click.ClickException:
               "fails (exit 6) naming the missing shard files")
 @click.option("--workers", type=click.IntRange(min=1), default=min(8, os.cpu_count() or 1), show_default=True,
               help="generator processes")
+@click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
+              help="where the tensors are drawn: gpu (on the device, then streamed to disk; the same bits), cpu "
+              "(NumPy in --workers processes), auto = gpu when one is usable, else cpu")
 @click.option("--no-tokenizer", is_flag=True, help="do not write tokenizer files")
 def command(preset_name: str, out: str, force: bool, seed: int, shard_bytes: int, max_shards: int | None,
-            workers: int, no_tokenizer: bool) -> None:
+            workers: int, device: str, no_tokenizer: bool) -> None:
     """Write a synthetic checkpoint (config, generation config, safetensors shards + index, tokenizer) to OUT."""
+    generate, drawn = _generator(device, workers)
     for a in Path(out).parents:  # the nearest existing ancestor must be a directory
         if a.exists() or a.is_symlink():
             if not a.is_dir():
@@ -106,7 +126,7 @@ def command(preset_name: str, out: str, force: bool, seed: int, shard_bytes: int
         try:
             res = write_checkpoint(preset(preset_name), tmp, seed, tokenizer="skip" if no_tokenizer else "require",
                                    max_shard_bytes=shard_bytes, max_shards=max_shards, workers=workers,
-                                   log=click.echo, progress=f"{preset_name} checkpoint -> {out}")
+                                   log=click.echo, progress=f"{preset_name} checkpoint -> {out}", generate=generate)
         except RuntimeError as e:  # the tokenizer writer is unavailable
             raise click.ClickException(f"cannot write the checkpoint to --out {out}: {e}") from None
         with sigint_ignored():  # the renames are not broken off half-way by Ctrl-C
@@ -135,7 +155,7 @@ def command(preset_name: str, out: str, force: bool, seed: int, shard_bytes: int
     shards = f"{res['shards']} of {planned} shards" if partial else f"{res['shards']} shard(s)"
     click.echo(f"wrote {'PARTIAL ' if partial else ''}{preset_name} checkpoint (seed {seed}) to {out}: {shards}, "
                f"{res['bytes'] / 1e9:.3f} GB of tensors in {res['seconds']:.1f} s "
-               f"({res['bytes'] / 1e6 / max(res['seconds'], 1e-9):.0f} MB/s)")
+               f"({res['bytes'] / 1e6 / max(res['seconds'], 1e-9):.0f} MB/s; drawn {drawn})")
     if partial:
         click.echo(f"qwen-mk: warning: --max-shards {max_shards} left out {planned - res['shards']} of {planned} "
                    f"shards: {out} is an incomplete checkpoint, which the loader refuses (for timing the writer "
