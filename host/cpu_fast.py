@@ -448,7 +448,8 @@ class FastModel:
                 "ck_conv": {i: x.copy() for i, x in st.ck_conv.items()},
                 "ck_rec": {i: x.copy() for i, x in st.ck_rec.items()},
                 "toks": st.toks[a:p].copy(), "hid": st.hid[a:p].copy(),
-                "k": {i: x[:, a:p].copy() for i, x in st.k.items()}, "v": {i: x[:, a:p].copy() for i, x in st.v.items()}}
+                "k": {i: x[:, a:p].copy() for i, x in st.k.items()},
+                "v": {i: x[:, a:p].copy() for i, x in st.v.items()}}
 
     def restore(self, st: FastState, snap: dict) -> None:
         """Put a ``snapshot`` of this slot's history back, in place (no allocation): the state equals the one
