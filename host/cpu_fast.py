@@ -11,8 +11,12 @@ Layout: every activation is a float32 array holding bf16 values (``rb`` rounds t
 place of a dtype change). Weights are widened ONCE at construction: fp8 e4m3 × its 128×128 block scale is exact
 in float32 (4 + 8 significant bits), bf16 widens exactly; fused row blocks as the engine streams them
 (GDN qkv|z|b|a, attention q|k|v, MLP gate|up). About 4 B per parameter: 0.31 GB for tiny, lm_head 254 MB of it.
-Prefill: chunked gated delta rule (chunks of 64 anchored at the call's first token, the 64-aligned cut of
-``ReferenceModel.prefill``), one causal softmax per query row. Decode (``path="step"``, M ≥ 1 rows): the recurrent
+Prefill: chunked gated delta rule with chunks of 64 anchored at the sequence start, one forward pass per chunk
+(one causal softmax per query row). The state keeps an anchor checkpoint (``FastState.anchor``: the GDN state at
+the last multiple of 64 a prefill reached); a prefill at a position past it restores it and re-runs the ids since
+then (``st.toks``: earlier prefill ids and decoded tokens alike) with the new ones, so any sequence of prefill and
+decode calls leaves a prefill's logits, GDN state and K/V bit-identical to one prefill of the whole history
+(tests/cpu/test_cpu_anchor.py). Decode (``path="step"``, M ≥ 1 rows): the recurrent
 rule per token, one softmax over the cache per row, every projection one BLAS GEMV per row and the lm_head GEMVs
 over fixed blocks of HEAD_BLOCK rows (``head_gemv``): a row's bits do not depend on how many rows the call has
 (OpenBLAS's GEMM gives a row different bits for different M), so an M = k + 1 verify pass of speculative decoding
@@ -107,7 +111,9 @@ class FastState:
     [n_v, d_k, d_v] float32 per GDN layer, ``pos`` tokens processed, ``hidden`` final-normed rows of the last call.
     For the MTP draft (``host.cpu_mtp``): ``toks`` [capacity] the ids run at each position, ``hid`` [capacity, H] their
     final-normed hidden rows, MTP K/V [n_kv, capacity, head_dim] and ``mtp_pos`` (positions whose step-1 MTP row is
-    in the MTP cache). ``ring``: the replay ring of the last recorded step call (``FastModel.keep_rows``)."""
+    in the MTP cache). ``ring``: the replay ring of the last recorded step call (``FastModel.keep_rows``).
+    ``anchor``: the chunk anchor (a multiple of 64, ≤ ``pos``) and ``ck_conv`` / ``ck_rec`` the GDN state there,
+    allocated with the state; the ids since the anchor are ``toks[anchor:pos]`` (``FastModel.prefill``)."""
 
     capacity: int
     pos: int = 0
@@ -123,16 +129,19 @@ class FastState:
     mtp_v: np.ndarray | None = None
     mtp_pos: int = 0
     ring: dict | None = None
+    anchor: int = 0
+    ck_conv: dict = field(default_factory=dict)
+    ck_rec: dict = field(default_factory=dict)
 
     def clear(self) -> None:
         """Back to an empty state in place (NaN over the rows written since the last clear, zeros elsewhere)."""
         for d in (self.k, self.v):
             for a in d.values():
                 a[:, :self.hw] = np.nan
-        for d in (self.conv, self.rec):
+        for d in (self.conv, self.rec, self.ck_conv, self.ck_rec):
             for a in d.values():
                 a[...] = 0
-        self.pos = self.hw = self.mtp_pos = 0
+        self.pos = self.hw = self.mtp_pos = self.anchor = 0
         self.hidden = None
         if self.ring is not None:
             self.ring["rows"] = 0
@@ -198,6 +207,7 @@ class FastModel:
         for i in c.linear_layers:
             st.conv[i] = np.zeros((c.linear_conv_kernel_dim - 1, c.gdn_conv_dim), F32)
             st.rec[i] = np.zeros((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim), F32)
+            st.ck_conv[i], st.ck_rec[i] = np.zeros_like(st.conv[i]), np.zeros_like(st.rec[i])
         st.toks = np.zeros(capacity, np.int64)
         st.hid = np.zeros((capacity, c.hidden_size), F32)
         kw = c.linear_conv_kernel_dim
@@ -259,7 +269,8 @@ class FastModel:
         q, k = np.repeat(q, rep, axis=1), np.repeat(k, rep, axis=1)              # value head j <- key head j // rep
         v = y[:, 2 * kd:].reshape(T, nv, c.linear_value_head_dim)
         if path == "chunk":
-            o, st.rec[li] = gdn_chunked(q, k, v, g, beta, st.rec[li], GDN_CHUNK)
+            o, S = gdn_chunked(q, k, v, g, beta, st.rec[li], GDN_CHUNK)
+            st.rec[li][...] = S                                                  # in place: the slot's own array
         else:
             S, outs = st.rec[li], []
             for t in range(T):
@@ -371,23 +382,92 @@ class FastModel:
             return None
         return self.logits(st.hidden if logit_rows is None else st.hidden[np.asarray(logit_rows)])
 
-    def prefill(self, st: FastState, ids, logit_rows=None) -> np.ndarray | None:
-        """Prompt path over T tokens (chunked GDN) → logits [T, V] bf16 (``logit_rows`` only when given). A call
-        starting on a multiple of 64 is cut at the last multiple of 64 it reaches, as ``ReferenceModel.prefill``,
-        so a re-run from a 64-aligned snapshot sees the same chunks (and bits) as one pass."""
+    def prefill(self, st: FastState, ids, logit_rows=None, anchored: bool = True) -> np.ndarray | None:
+        """Prompt path over T tokens at positions st.pos.. (chunked GDN) → logits [T, V] bf16 of this call's rows
+        (``logit_rows`` only when given; None for ``"none"``); ``st.hidden`` their final-normed rows.
+
+        Chunks of 64 anchored at the sequence start: when st.pos is past ``st.anchor`` the GDN state there is
+        restored and ``st.toks[anchor:pos]`` (the ids run since: prefill rows and decoded tokens) re-run before
+        ``ids``, one forward pass per 64-aligned chunk, the last one partial; K/V, ``toks`` and ``hid`` of the
+        re-run rows are rewritten and ``mtp_pos`` drops to the anchor (MTP rows past it used the old hidden
+        rows). The anchor then moves to the last multiple of 64 reached, its state copied into the slot's
+        checkpoint arrays. Every pass therefore has the shape and inputs it has in one prefill of the whole
+        history, and so its bits. ``anchored=False`` runs ``ids`` alone in chunks anchored at st.pos (negative
+        controls and cost measurements only; the anchor is left alone, so later calls are not exact).
+        Raises ValueError (state untouched) for no ids, ids outside [0, V) or a position past the capacity."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        hs = []
-        if st.pos % GDN_CHUNK == 0:
-            cut = ((st.pos + ids.size) // GDN_CHUNK) * GDN_CHUNK - st.pos
-            if 0 < cut < ids.size:
-                self.forward(st, ids[:cut], "chunk", "none")
-                hs.append(st.hidden)
-                ids = ids[cut:]
-        self.forward(st, ids, "chunk", "none")
-        st.hidden = np.concatenate(hs + [st.hidden])
+        if ids.size < 1 or ids.min() < 0 or ids.max() >= self.embed_table.shape[0]:
+            raise ValueError(f"prefill: need 1+ ids in [0, {self.embed_table.shape[0]}), got {ids[:8]}...")
+        p = st.pos
+        if p + ids.size > st.capacity:
+            raise ValueError(f"prefill: capacity {st.capacity} exceeded at position {p + ids.size}")
+        if not anchored:
+            for s in range(0, ids.size, GDN_CHUNK):
+                self.forward(st, ids[s:s + GDN_CHUNK], "chunk", "none")
+        else:
+            a = st.anchor
+            run = ids
+            if a < p:                                                        # back to the anchor, re-run since
+                run = np.concatenate([st.toks[a:p], ids])
+                self._restore_anchor(st)
+                st.mtp_pos = min(st.mtp_pos, a)
+            end = a + run.size
+            cut = end // GDN_CHUNK * GDN_CHUNK
+            for s in range(a, end, GDN_CHUNK):
+                self.forward(st, run[s - a:s - a + GDN_CHUNK], "chunk", "none")
+                if st.pos == cut > a:
+                    self._save_anchor(st)
+        st.hidden = st.hid[p:st.pos].copy()
         if isinstance(logit_rows, str) and logit_rows == "none":
             return None
         return self.logits(st.hidden if logit_rows is None else st.hidden[np.asarray(logit_rows)])
+
+    @staticmethod
+    def _save_anchor(st: FastState) -> None:
+        """The current position (a multiple of 64) becomes the anchor: GDN state copied into the checkpoint arrays."""
+        for i in st.rec:
+            st.ck_conv[i][...] = st.conv[i]
+            st.ck_rec[i][...] = st.rec[i]
+        st.anchor = st.pos
+
+    @staticmethod
+    def _restore_anchor(st: FastState) -> None:
+        """Back to the anchor: position and GDN state (K/V past it are rewritten by the re-run)."""
+        for i in st.rec:
+            st.conv[i][...] = st.ck_conv[i]
+            st.rec[i][...] = st.ck_rec[i]
+        st.pos = st.anchor
+
+    def snapshot(self, st: FastState) -> dict:
+        """Copies of what a later call may change below ``st.pos``: position, GDN state, anchor and its state,
+        and the rows since the anchor (``toks``, ``hid``, K/V: a re-run rewrites them). Rows below the anchor
+        are never rewritten, so they are not copied."""
+        a, p = st.anchor, st.pos
+        return {"pos": p, "anchor": a, "conv": {i: x.copy() for i, x in st.conv.items()},
+                "rec": {i: x.copy() for i, x in st.rec.items()},
+                "ck_conv": {i: x.copy() for i, x in st.ck_conv.items()},
+                "ck_rec": {i: x.copy() for i, x in st.ck_rec.items()},
+                "toks": st.toks[a:p].copy(), "hid": st.hid[a:p].copy(),
+                "k": {i: x[:, a:p].copy() for i, x in st.k.items()},
+                "v": {i: x[:, a:p].copy() for i, x in st.v.items()}}
+
+    def restore(self, st: FastState, snap: dict) -> None:
+        """Put a ``snapshot`` of this slot's history back, in place (no allocation): the state equals the one
+        the snapshot was taken of, for decode and for the next prefill's re-run. ``hidden`` is dropped,
+        ``mtp_pos`` drops to the snapshot's anchor, the replay ring is emptied."""
+        a, p = snap["anchor"], snap["pos"]
+        for i in st.rec:
+            st.conv[i][...], st.rec[i][...] = snap["conv"][i], snap["rec"][i]
+            st.ck_conv[i][...], st.ck_rec[i][...] = snap["ck_conv"][i], snap["ck_rec"][i]
+        for i in st.k:
+            st.k[i][:, a:p], st.v[i][:, a:p] = snap["k"][i], snap["v"][i]
+        st.toks[a:p], st.hid[a:p] = snap["toks"], snap["hid"]
+        st.pos, st.anchor = p, a
+        st.hw = max(st.hw, p)
+        st.hidden = None
+        st.mtp_pos = min(st.mtp_pos, a, max(p - 1, 0))      # MTP row t needs the id at t + 1
+        if st.ring is not None:
+            st.ring["rows"] = 0
 
     def decode(self, st: FastState, ids, record: bool = False) -> np.ndarray:
         """Generation / verify path: ids [M] (a scalar is M = 1) at positions st.pos.. → logits [M, V] bf16, each

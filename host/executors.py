@@ -133,7 +133,9 @@ class CpuExecutor(Executor):
     """The default CPU path: the float32 NumPy model of ``host.cpu_fast.FastModel`` (weights widened once at load,
     fp8 × block scale dequantised to float32, BLAS matmuls; about 0.31 GB for tiny, lm_head 254 MB of it).
 
-    Prefill: chunked GDN (chunks of 64 anchored at the call's first token), lm_head on the last row only. Decode:
+    Prefill: chunked GDN, chunks of 64 anchored at the sequence start (``FastModel.prefill``: an append re-runs
+    the ids since the slot's last 64-aligned anchor checkpoint, decoded tokens included, so any sequence of calls
+    gives a prefill the bits of one prefill of the whole history), lm_head on the last row only. Decode:
     the recurrent GDN step and one softmax over the cache per token, row-invariant, so the M = k + 1 verify pass of
     speculative decoding (``host.speculate``, the only executor that speculates) gives plain decode's bits. Not bit-identical to the reference: every
     sum is float32 instead of the reference's float64, at the same bf16 rounding points; it agrees with
@@ -191,21 +193,14 @@ class CpuExecutor(Executor):
         return StepOutput(logits=self.model.decode(self._state, [int(token)])[-1])
 
     def state_snapshot(self) -> Any:
-        """Copies of the GDN conv + recurrent state and the position; KV rows below the position are never
-        rewritten later, so they are not copied."""
-        st = self._state
-        return {"pos": st.pos, "conv": {i: a.copy() for i, a in st.conv.items()},
-                "rec": {i: a.copy() for i, a in st.rec.items()}}
+        """Copies of the position, the GDN conv + recurrent state, the chunk anchor with its GDN state, and the
+        rows since the anchor (ids, hidden, K/V: the next prefill's re-run rewrites them); rows below the
+        anchor are never rewritten later, so they are not copied (``FastModel.snapshot``)."""
+        return self.model.snapshot(self._state)
 
     def state_restore(self, snap: Any) -> None:
-        st = self._state
-        st.pos = snap["pos"]
-        st.conv = {i: a.copy() for i, a in snap["conv"].items()}
-        st.rec = {i: a.copy() for i, a in snap["rec"].items()}
-        st.hidden = None
-        st.mtp_pos = min(st.mtp_pos, max(st.pos - 1, 0))  # MTP row t needs the id at t + 1: still in the state
-        if st.ring is not None:
-            st.ring["rows"] = 0
+        """Put a snapshot of this slot's history back in place (``FastModel.restore``)."""
+        self.model.restore(self._state, snap)
 
 
 class CpuVmExecutor(Executor):
