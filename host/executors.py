@@ -35,13 +35,13 @@ CPU_KINDS = ("cpu", "cpu-vm")  # cpu: the fast float32 NumPy model; cpu-vm: the 
 CPU_MAX_WEIGHT_BYTES = 2 << 30
 
 
-@dataclass
 # Prompts (or appended turns) of at most this many ids run as eager 8-row decode passes instead of the chunked
 # Prefill, whose fixed cost is ≈ 64 ms on the 27B (measured on the H200, bench/results/prefill.json: eager passes
 # 28 ms at 2-8 ids, 57 ms at 16, 227 ms at 64; Prefill 64, 66, 78 ms). Both give the same bits.
 EAGER_PREFILL_MAX = 16
 
 
+@dataclass
 class StepOutput:
     """Result of one prefill or step: ``logits`` [V] bf16 of the last row and/or a device-chosen ``token``."""
 
