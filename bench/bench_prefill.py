@@ -15,6 +15,7 @@ Rows (wall clock, host ``perf_counter`` around the whole call, the stream synchr
   ``prefill`` at the same length: the crossover.
 * ``cublas``: ``cupy.matmul`` bf16 on the same projection shapes at M = 4,096 (weights widened to bf16 outside
   the timing), summed over one forward pass's calls: the library anchor for the ``gemm`` category.
+Writes ``prefill.json`` to ``--out`` (default ``bench/results/e2e``).
 """
 from __future__ import annotations
 
@@ -110,7 +111,7 @@ def main(argv=None):
     ap.add_argument("--preset", default="qwen3.5-27b")
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 4096, 32768])
     ap.add_argument("--short", type=int, nargs="+", default=[2, 8, 16, 64, 256])
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "e2e"))
     a = ap.parse_args(argv)
     from discrete.prefill import Prefill
     from discrete.step import DecodeStep

@@ -36,7 +36,7 @@ CPU_MAX_WEIGHT_BYTES = 2 << 30
 
 
 # Prompts (or appended turns) of at most this many ids run as eager 8-row decode passes instead of the chunked
-# Prefill, whose fixed cost is ≈ 64 ms on the 27B (measured on the H200, bench/results/prefill.json: eager passes
+# Prefill, whose fixed cost is ≈ 64 ms on the 27B (measured on the H200, bench/results/e2e/prefill.json: eager passes
 # 28 ms at 2-8 ids, 57 ms at 16, 227 ms at 64; Prefill 64, 66, 78 ms). Both give the same bits.
 EAGER_PREFILL_MAX = 16
 
