@@ -87,7 +87,7 @@ def cublas_pass_s(cfg, M: int = 4096, reps: int = 5) -> dict:
         if not calls:
             continue
         x = cp.asarray(np.random.default_rng(1).standard_normal((M, K), np.float32).astype(dt))
-        w = cp.asarray((np.random.default_rng(2).standard_normal((K, N), np.float32) * 0.01).astype(dt))  # Wᵀ, contiguous
+        w = cp.asarray((np.random.default_rng(2).standard_normal((K, N), np.float32) * 0.01).astype(dt))
         y = cp.empty((M, N), dt)
         cp.matmul(x, w, out=y)
         ts = []

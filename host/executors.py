@@ -137,8 +137,8 @@ class CpuExecutor(Executor):
     the ids since the slot's last 64-aligned anchor checkpoint, decoded tokens included, so any sequence of calls
     gives a prefill the bits of one prefill of the whole history), lm_head on the last row only. Decode:
     the recurrent GDN step and one softmax over the cache per token, row-invariant, so the M = k + 1 verify pass of
-    speculative decoding (``host.speculate``, the only executor that speculates) gives plain decode's bits. Not bit-identical to the reference: every
-    sum is float32 instead of the reference's float64, at the same bf16 rounding points; it agrees with
+    speculative decoding (``host.speculate``, the only executor that speculates) gives plain decode's bits. Not
+    bit-identical to the reference: every sum is float32 instead of the reference's float64, at the same bf16 rounding points; it agrees with
     ``ReferenceModel`` within the tolerance of ``tests/cpu/test_cpu_fast.py``. For bit identity with the
     reference use the ``cpu-vm`` executor (CpuVmExecutor). Logits come back as bf16 [V] (padding rows included;
     the host masks them). Slots: a ``FastState`` each, allocated at a slot's first reset and cleared in place
