@@ -9,8 +9,10 @@ in_proj        :class:`discrete.gemm.Gemm` (store) on the fused in-projection, a
                factor, then its column segments copied out (qkv | z, or q·gate | k | v)
 GDN            ``qmk_gdn_prefill``: the decode step's device function over row tiles of 8, state kept in
                the block; then ``qmk_gdn_ring_fill`` leaves the conv ring as decode would
-attention      the decode attention kernels (prep, scores, values, reduce) on row tiles of 8, reading and
-               writing the paged KV cache (C/8 tiles of 4 launches)
+attention      the decode attention stages over the chunk's 8-row tiles: prep (q/k norm, RoPE, K/V into the
+               paged cache) over all C rows, then scores, values (``qmk_attn_*_rows``: many tiles per launch,
+               grid z = tile) and reduce per group of ``att_rows`` rows (the scratch of a group: its rows'
+               scores at the context capacity and the partition partials, ≤ ``ATT_SCRATCH_BYTES``)
 out_proj       Gemm (residual)
 post norm      ``qmk_rmsnorm_rows_grid``
 MLP            Gemm (swiglu) on gate|up, Gemm (residual) on down
@@ -29,16 +31,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from assembler.numerics import MAX_ROWS
+from assembler.numerics import MAX_ROWS, attn_partitions
+from discrete.attention import SCORE_THREADS, THREADS as ATT_THREADS, module as attn_module
 from discrete.build import load_module
 from discrete.gdn import CONV_RING, module as gdn_module
 from discrete.gemm import Gemm
-from discrete.launch import kernels
 from discrete.step import control_defines
-from discrete.attention import SCORE_THREADS, THREADS as ATT_THREADS
 from loader.config import FIRST_PADDING_ID
 
 DEFAULT_CHUNK = 2048  # rows per prefill launch sequence (GEMM M); scratch ≈ 0.35 GB at the 27B's shapes
+ATT_SCRATCH_BYTES = 512 << 20  # attention scratch of one group of tiles (scores at capacity + partials)
 
 
 class Prefill:
@@ -46,14 +48,18 @@ class Prefill:
     session and stream).
 
     ``chunk``: rows per pass (a multiple of 8, ≥ 8); larger chunks run the projection GEMMs at larger M.
+    ``att_rows``: rows per attention launch group (a multiple of 8; None: as many as ``ATT_SCRATCH_BYTES`` holds
+    at the step's context capacity, at most ``chunk``); any value gives the same bits (tests use small ones).
     ``run(ids)`` processes int ids at the step's position and advances it (host and control block) by len(ids).
     Raises ValueError for an empty prompt, ids outside [0, FIRST_PADDING_ID) or past the step's capacity."""
 
-    def __init__(self, dstep, chunk: int = DEFAULT_CHUNK):
+    def __init__(self, dstep, chunk: int = DEFAULT_CHUNK, att_rows: int | None = None):
         import cupy as cp
         chunk = int(chunk)
         if chunk < MAX_ROWS or chunk % MAX_ROWS:
             raise ValueError(f"Prefill: chunk={chunk}; expected a positive multiple of {MAX_ROWS}")
+        if att_rows is not None and (int(att_rows) < MAX_ROWS or int(att_rows) % MAX_ROWS):
+            raise ValueError(f"Prefill: att_rows={att_rows}; expected a positive multiple of {MAX_ROWS}")
         self.d, self.chunk = dstep, chunk
         cfg, W, g = dstep.cfg, dstep.w, dstep.graph
         self.cfg = cfg
@@ -87,14 +93,36 @@ class Prefill:
         self.o = cp.empty(C * max(cfg.gdn_value_dim, nq * hd), u16)          # flat: the mixer's output [C', n]
         self.act = cp.empty((C, F), u16)
         self.tile_pos = cp.zeros(C // MAX_ROWS, cp.int32)  # position of row 0 of each 8-row attention tile
-        self.nbytes = sum(a.nbytes for a in (self.ids, self.x, self.xn, self.xm, self.y, self.qkv, self.z, self.qg,
-                                             self.k, self.v, self.o, self.act, self.tile_pos))
+        scratch = [self.ids, self.x, self.xn, self.xm, self.y, self.qkv, self.z, self.qg, self.k, self.v, self.o,
+                   self.act, self.tile_pos]
+        attn = [ops["attn"] for ops in dstep.layer_ops if "attn" in ops]
+        self.att_rows = 0
+        if attn:
+            cap, P = attn[0].capacity, attn_partitions(cfg)
+            per_row = nq * cap * 2 + 2 * nq * P * 4 + nq * P * hd * 4
+            R = int(att_rows) if att_rows is not None else ATT_SCRATCH_BYTES // per_row // MAX_ROWS * MAX_ROWS
+            self.att_rows = R = max(MAX_ROWS, min(C, R))
+            self.att_q = cp.empty((C, nq, hd), u16)                  # roped queries of the chunk
+            self.att_scores = cp.empty((R, nq, cap), u16)            # bf16 scores of one group
+            self.att_m, self.att_l = (cp.empty((R, nq, P), cp.float32) for _ in range(2))
+            self.att_partial = cp.empty((R, nq, P, hd), cp.float32)
+            am = attn_module(cfg)
+            self._k_att_scores = am.get_function("qmk_attn_scores_rows")
+            self._k_att_values = am.get_function("qmk_attn_values_rows")
+            scratch += [self.att_q, self.att_scores, self.att_m, self.att_l, self.att_partial]
+        self._scratch = scratch
+        self.nbytes = sum(a.nbytes for a in scratch)
 
     def poison(self) -> None:
         """Fill the scratch with NaN bit patterns (tests: a row read before it is written shows up)."""
         with self.d.stream:
             for a in (self.x, self.xn, self.xm, self.y, self.qkv, self.z, self.qg, self.k, self.v, self.o, self.act):
                 a.fill(0x7FC1)
+            if self.att_rows:
+                self.att_q.fill(0x7FC1)
+                self.att_scores.fill(0x7FC1)
+                for a in (self.att_m, self.att_l, self.att_partial):
+                    a.fill(np.nan)
 
     def run(self, ids, profile: dict | None = None) -> None:
         """Prefill ``ids`` (int sequence, ≥ 1) at the step's position, in passes of ``chunk`` rows; enqueued on
@@ -174,24 +202,24 @@ class Prefill:
         d.advance(C)
 
     def _attention(self, ops, qg, k, v, o, C: int) -> None:
-        """The decode attention kernels (``discrete.attention.AttnDecode``'s four stages, its scratch) over 8-row
-        tiles in order, tile t at positions pos+8t…; the operands were checked once, so each tile passes raw row
-        pointers (an eager launch costs ≈ 8 µs of Python; there are C/8 × 4 per layer)."""
+        """The decode attention stages over the chunk's 8-row tiles (tile t at positions pos+8t…): prep over all
+        C rows (K/V of every row into the cache first: a tile reads only keys at or before its own rows), then per
+        group of ``att_rows`` rows scores and values with grid z = tile (``qmk_attn_*_rows``: the decode device
+        functions on the tile's slices) and reduce. The operands were checked once, so launches pass raw pointers."""
         d, a, cfg = self.d, ops["attn"], self.cfg
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         u64, i32 = np.uint64, np.int32
         base, ps, cap = u64(d.kv.layer_base(ops["attn_layer"])), np.int64(d.kv.page_stride), i32(a.capacity)
         tbl = d.sess.table
-        kp, ks, kv_, kr = a.k_prep.raw, a.k_scores.raw, a.k_values.raw, a.k_reduce.raw
-        grid = (a.parts, nkv)
-        p_qg, p_k, p_v, p_o, p_pos = qg.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, self.tile_pos.data.ptr
-        b_qg, b_kv, b_o = 2 * qg.shape[1], 2 * k.shape[1], 2 * o.shape[1]  # row bytes
-        for t in range(-(-C // MAX_ROWS)):
-            r0 = t * MAX_ROWS
-            m = i32(min(MAX_ROWS, C - r0))
-            pq, pp = u64(p_qg + r0 * b_qg), u64(p_pos + 4 * t)
-            kp((int(m), nq + nkv), (32,), (pq, u64(p_k + r0 * b_kv), u64(p_v + r0 * b_kv), a.q_norm_w, a.k_norm_w,
-                                           a.inv_freq, tbl, ps, base, a.q, pp))
-            ks(grid, (SCORE_THREADS,), (a.q, base, tbl, ps, a.scores, cap, a.stats_m, a.stats_l, pp, m))
-            kv_(grid, (ATT_THREADS,), (base, tbl, ps, a.scores, cap, a.stats_m, a.stats_l, a.partial, pp, m))
-            kr((int(m), nq), (hd,), (a.partial, pq, u64(p_o + r0 * b_o), pp))
+        p_qg, p_o, p_pos = qg.data.ptr, o.data.ptr, self.tile_pos.data.ptr
+        b_qg, b_o, b_q = 2 * qg.shape[1], 2 * o.shape[1], 2 * nq * hd  # row bytes
+        a.k_prep.raw((C, nq + nkv), (32,), (qg, k, v, a.q_norm_w, a.k_norm_w, a.inv_freq, tbl, ps, base, self.att_q,
+                                           self.tile_pos))
+        scores, sm, sl, part = self.att_scores, self.att_m, self.att_l, self.att_partial
+        for r0 in range(0, C, self.att_rows):
+            R = min(self.att_rows, C - r0)
+            grid = (a.parts, nkv, -(-R // MAX_ROWS))
+            pq, pp, n = u64(self.att_q.data.ptr + r0 * b_q), u64(p_pos + 4 * (r0 // MAX_ROWS)), i32(R)
+            self._k_att_scores(grid, (SCORE_THREADS,), (pq, base, tbl, ps, scores, cap, sm, sl, pp, n))
+            self._k_att_values(grid, (ATT_THREADS,), (base, tbl, ps, scores, cap, sm, sl, part, pp, n))
+            a.k_reduce.raw((R, nq), (hd,), (part, u64(p_qg + r0 * b_qg), u64(p_o + r0 * b_o), pp))

@@ -76,7 +76,8 @@ def tiny_step():  # tests/gpu/conftest.py skips every test here without a device
     cfg = preset("tiny")
     w = WeightsGPU.from_synthetic(SyntheticWeights(cfg, 3))
     step = DecodeStep(cfg, w, CAP_TINY, 1, debug_logits=True)
-    return step, Prefill(step, chunk=2048), Prefill(step, chunk=64)
+    # the third: attention launch groups of 24 rows (3 tiles; a chunk's last group and tile partial)
+    return step, Prefill(step, chunk=2048), Prefill(step, chunk=64), Prefill(step, chunk=2048, att_rows=24)
 
 
 def _ids(n: int, seed: int) -> np.ndarray:
@@ -85,23 +86,27 @@ def _ids(n: int, seed: int) -> np.ndarray:
 
 @pytest.mark.parametrize("T", [1, 7, 8, 9, 63, 64, 65, 127, 300])
 def test_one_call_equals_decode_passes(tiny_step, T):
-    step, pre, _ = tiny_step
+    step, pre, _, pre24 = tiny_step
     ids = _ids(T + 1, T)
-    _compare(_eager(step, ids[:T], int(ids[T])), _chunked(step, pre, ids[:T], [], int(ids[T])))
+    ref = _eager(step, ids[:T], int(ids[T]))
+    _compare(ref, _chunked(step, pre, ids[:T], [], int(ids[T])))
+    _compare(ref, _chunked(step, pre24, ids[:T], [], int(ids[T])))
 
 
 @pytest.mark.parametrize("split", [1, 63, 64, 65, 127])
 def test_split_calls_and_small_chunks_equal_decode_passes(tiny_step, split):
-    """Incremental prefill (two calls) ≡ one pass ≡ decode passes; chunk 64 < prompt runs several chunks."""
-    step, pre, pre64 = tiny_step
+    """Incremental prefill (two calls) ≡ one pass ≡ decode passes; chunk 64 < prompt runs several chunks;
+    attention groups of 24 rows run several attention launches per chunk."""
+    step, pre, pre64, pre24 = tiny_step
     ids = _ids(301, 1000 + split)
     ref = _eager(step, ids[:300], int(ids[300]))
     _compare(ref, _chunked(step, pre, ids[:300], [split], int(ids[300])))
     _compare(ref, _chunked(step, pre64, ids[:300], [split], int(ids[300])))
+    _compare(ref, _chunked(step, pre24, ids[:300], [split], int(ids[300])))
 
 
 def test_long_prompt_splits_4095_4097(tiny_step):
-    step, pre, _ = tiny_step
+    step, pre, _, _ = tiny_step
     ids = _ids(4301, 4095)
     ref = _eager(step, ids[:4300], int(ids[4300]))
     for split in (4095, 4097):
@@ -109,7 +114,7 @@ def test_long_prompt_splits_4095_4097(tiny_step):
 
 
 def test_negative_control_changed_id_fails(tiny_step):
-    step, pre, _ = tiny_step
+    step, pre, _, _ = tiny_step
     ids = _ids(101, 5)
     ref = _eager(step, ids[:100], int(ids[100]))
     bad = ids.copy()
@@ -119,7 +124,7 @@ def test_negative_control_changed_id_fails(tiny_step):
 
 
 def test_bad_input(tiny_step):
-    step, pre, _ = tiny_step
+    step, pre, _, _ = tiny_step
     step.reset()
     with pytest.raises(ValueError, match="no ids"):
         pre.run([])
@@ -130,6 +135,8 @@ def test_bad_input(tiny_step):
     assert step.pos == 0
     with pytest.raises(ValueError, match="chunk"):
         type(pre)(step, chunk=12)
+    with pytest.raises(ValueError, match="att_rows"):
+        type(pre)(step, chunk=64, att_rows=12)
 
 
 def test_27b_prefill_equals_decode_passes(gpu):
@@ -145,4 +152,5 @@ def test_27b_prefill_equals_decode_passes(gpu):
     ref = _eager(step, ids[:300], int(ids[300]))
     _compare(ref, _chunked(step, pre, ids[:300], [], int(ids[300])))
     _compare(ref, _chunked(step, pre, ids[:300], [65], int(ids[300])))
+    _compare(ref, _chunked(step, Prefill(step, chunk=256, att_rows=16), ids[:300], [65], int(ids[300])))
     del pre, step, w
