@@ -7,8 +7,11 @@ Per layer, for a chunk of C rows at positions pos … pos+C−1 (one launch each
 norm           ``qmk_rmsnorm_rows_grid`` (one block per row; the bits of the decode step's fused norm)
 in_proj        :class:`discrete.gemm.Gemm` (store) on the fused in-projection, at the decode op's split-K
                factor, then its column segments copied out (qkv | z, or q·gate | k | v)
-GDN            ``qmk_gdn_prefill``: the decode step's device function over row tiles of 8, state kept in
-               the block; then ``qmk_gdn_ring_fill`` leaves the conv ring as decode would
+GDN            the decode step's three phases in three kernels over row tiles of 8: ``qmk_gdn_prefill_in``
+               (conv, in_proj_a|b, l2 norms, gates: every tile and head at once), ``qmk_gdn_prefill_recur``
+               (the recurrence, tile after tile, state columns split over 4 blocks per head, state in
+               registers), ``qmk_gdn_prefill_out`` (gated norm, every tile at once); then
+               ``qmk_gdn_ring_fill`` leaves the conv ring as decode would
 attention      the decode attention stages over the chunk's 8-row tiles: prep (q/k norm, RoPE, K/V into the
                paged cache) over all C rows, then scores, values (``qmk_attn_*_rows``: many tiles per launch,
                grid z = tile) and reduce per group of ``att_rows`` rows (the scratch of a group: its rows'
@@ -67,7 +70,13 @@ class Prefill:
         fin = load_module(cfg, ("finish.cu",), control_defines())
         self._k_norm = fin.get_function("qmk_rmsnorm_rows_grid")
         gm = gdn_module(cfg)
-        self._k_gdn, self._k_ring = gm.get_function("qmk_gdn_prefill"), gm.get_function("qmk_gdn_ring_fill")
+        self._k_gdn_in, self._k_gdn_recur, self._k_gdn_out, self._k_ring = (
+            gm.get_function(n) for n in ("qmk_gdn_prefill_in", "qmk_gdn_prefill_recur", "qmk_gdn_prefill_out",
+                                         "qmk_gdn_ring_fill"))
+        geo = np.empty(3, np.int32)  # float4 per (tile, head) of phase-A results, recurrence blocks per head, threads
+        cp.cuda.runtime.memcpy(geo.ctypes.data, gm.get_global("qmk_gdn_prefill_geometry").ptr, geo.nbytes,
+                               cp.cuda.runtime.memcpyDeviceToHost)
+        self._gdn_rows_f4, self._gdn_split, self._gdn_rthreads = (int(x) for x in geo)
         self.gemm = []
         n_in = 0
         for i, L in enumerate(W.layers):
@@ -95,6 +104,11 @@ class Prefill:
         self.tile_pos = cp.zeros(C // MAX_ROWS, cp.int32)  # position of row 0 of each 8-row attention tile
         scratch = [self.ids, self.x, self.xn, self.xm, self.y, self.qkv, self.z, self.qg, self.k, self.v, self.o,
                    self.act, self.tile_pos]
+        if any("gdn" in ops for ops in dstep.layer_ops):
+            nv = cfg.linear_num_value_heads
+            self.gdn_rows = cp.empty((C // MAX_ROWS, nv, self._gdn_rows_f4, 4), cp.float32)  # phase A per tile, head
+            self.gdn_o = cp.empty((C, cfg.gdn_value_dim), cp.float32)                       # S^T q per row
+            scratch += [self.gdn_rows, self.gdn_o]
         attn = [ops["attn"] for ops in dstep.layer_ops if "attn" in ops]
         self.att_rows = 0
         if attn:
@@ -118,6 +132,9 @@ class Prefill:
         with self.d.stream:
             for a in (self.x, self.xn, self.xm, self.y, self.qkv, self.z, self.qg, self.k, self.v, self.o, self.act):
                 a.fill(0x7FC1)
+            for a in ("gdn_rows", "gdn_o"):
+                if hasattr(self, a):
+                    getattr(self, a).fill(np.nan)
             if self.att_rows:
                 self.att_q.fill(0x7FC1)
                 self.att_scores.fill(0x7FC1)
@@ -176,9 +193,12 @@ class Prefill:
                     z[...] = y[:, c1:c2]
                     mark("gdn")
                     w_a, w_b, a_log, dt_bias, conv_w, norm_w = ops["gdn"].w
-                    self._k_gdn((cfg.linear_num_value_heads,), (512,),
-                                (qkv, z, xn, w_a, w_b, a_log, dt_bias, conv_w, norm_w, d.ring[i], d.rec[i], o,
-                                 i32(pos), i32(C)))
+                    nv, ntile = cfg.linear_num_value_heads, -(-C // MAX_ROWS)
+                    self._k_gdn_in((ntile, nv), (512,), (qkv, z, xn, w_a, w_b, a_log, dt_bias, conv_w, norm_w,
+                                                         d.ring[i], self.gdn_rows, i32(pos), i32(C)))
+                    self._k_gdn_recur((nv, self._gdn_split), (self._gdn_rthreads,),
+                                      (self.gdn_rows, d.rec[i], self.gdn_o, i32(C)))
+                    self._k_gdn_out((ntile, nv), (256,), (self.gdn_rows, self.gdn_o, o, i32(C)))
                     self._k_ring((min(C, CONV_RING),), (256,), (qkv, d.ring[i], i32(pos), i32(C)))
                 else:
                     qg, k, v = self.qg[:C], self.k[:C], self.v[:C]

@@ -123,36 +123,22 @@ __device__ __forceinline__ float mx_u2_bf(const uint2& v, int e) {  // element e
     return mx_bf2f((mx_u16)((e & 1) ? (w >> 16) : (w & 0xffffu)));
 }
 
-// Args: qkv [M, CONV_DIM] (in_proj_qkv output, pre-conv), z [M, VALUE_DIM], hn [M, HIDDEN] (normed hidden);
-// ring, state as above; out [M, VALUE_DIM] bf16; pos = position of row 0; pre = mx_gdn_prefetch of head j;
-// state_in: null, or a copy of head j's state [DV, DK] fp32 (the megakernel's, in shared memory, copied before its
-// dependency wait: the state depends only on the previous step) to read instead of `state`, which is still the one
-// written back. Same values, same bits.
-// CH: state columns whose warp sums run interleaved (the discrete kernel: all MX_GDN_CPW; the megakernel, short of
-// registers: 1); the bits do not depend on it.
-// hist, ring_write (prefill, qmk_gdn_prefill): the conv inputs of positions pos-hist .. pos-1 are read from the
-// rows of qkv before row 0 (qkv[-hist*CONV_DIM ..]) instead of the ring, and ring_write = false leaves the ring
-// untouched (the prefill kernel's blocks run their row tiles unordered; qmk_gdn_ring_fill writes the ring after
-// the launch). The defaults (0, true) are the decode step. Same values, same bits. Call from all threads of a
-// MX_GDN_THREADS block.
-template <int CH, int MR = QMK_MAX_ROWS>
-__device__ __forceinline__ void mx_gdn_step_head_pre(const mx_u16* __restrict__ qkv, const mx_u16* __restrict__ z,
-                                     const mx_u16* __restrict__ hn, mx_u16* __restrict__ ring,
-                                     float* __restrict__ state, mx_u16* __restrict__ out, int pos, int M, int j,
-                                     const MxGdnPre& pre, MxGdnSmem& sm,
-                                     const float* __restrict__ state_in = nullptr, int hist = 0,
-                                     bool ring_write = true) {
-    static_assert(MX_GDN_CPW % CH == 0, "gdn.cuh: CH must divide the columns per warp");
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int hk = j / QMK_GDN_HEAD_GROUP;
-    const bool writes_qk = (j % QMK_GDN_HEAD_GROUP) == 0;
-
+// Phase A of a step (every thread of a MX_GDN_THREADS block): the conv inputs, the 4-tap conv + SiLU (the ring gets
+// this launch's inputs unless ring_write is false), in_proj_a|b, l2norm of q and k, the gates, silu(z) and the norm
+// weights, into sm (qk, v, decay, beta, zs); ends with the block synchronised; first it loads the NSC state columns of
+// this warp, S[c] = the float4 at sr + c·DK (the step's: issued with the other input loads). Arguments: see
+// mx_gdn_step_head_pre below;
+// tid, lane, warp: threadIdx.x, its lane and warp (the caller's: recomputed here they change the decode kernel's code);
+// hk, writes_qk: the key head of j and whether j is the first value head of its group.
+template <int CH, int MR, int NSC>
+__device__ __forceinline__ void mx_gdn_rows_in(const mx_u16* __restrict__ qkv, const mx_u16* __restrict__ z,
+                                               const mx_u16* __restrict__ hn, mx_u16* __restrict__ ring,
+                                               const float* __restrict__ sr, float4* S, int pos, int M, int j,
+                                               const MxGdnPre& pre, MxGdnSmem& sm, int hist, bool ring_write,
+                                               int tid, int lane, int warp, int hk, bool writes_qk) {
     // every input load is issued up front: the state (the bytes this kernel is about), the conv window, z
-    float4 S[MX_GDN_CPW];
-    float* st = state + ((size_t)j * QMK_GDN_DV + warp * MX_GDN_CPW) * QMK_GDN_DK + lane * 4;
-    const float* sr = state_in ? state_in + (warp * MX_GDN_CPW) * QMK_GDN_DK + lane * 4 : st;
 #pragma unroll
-    for (int c = 0; c < MX_GDN_CPW; ++c) S[c] = *reinterpret_cast<const float4*>(sr + c * QMK_GDN_DK);
+    for (int c = 0; c < NSC; ++c) S[c] = *reinterpret_cast<const float4*>(sr + c * QMK_GDN_DK);
     const int c = tid;  // conv channel of this thread (c < MX_GDN_CH)
     const int ch = c < QMK_GDN_DK ? hk * QMK_GDN_DK + c
                  : c < 2 * QMK_GDN_DK ? QMK_GDN_KEY_DIM + hk * QMK_GDN_DK + (c - QMK_GDN_DK)
@@ -266,7 +252,18 @@ __device__ __forceinline__ void mx_gdn_step_head_pre(const mx_u16* __restrict__ 
     }
     __syncthreads();
     MX_GDN_STAMP(6);
-    // B: the recurrence, row by row, state in registers. The warp's CPW columns are independent: CH of them at a
+}
+
+// Phase B: the recurrence over the M rows for NC state columns col0 .. col0+NC-1 of the head, held by this warp in S
+// (lane l: keys 4l .. 4l+3 of each; S read and left in registers); lane 0 writes the bf16 value of column col's
+// S^T q of row i to sm.o[i][col] (TO_SM: the step) or og[i * og_stride + col] (prefill). Inputs from sm (qk, v, decay, beta) as phase A leaves them. A column's
+// result depends on nothing but its own state and the row inputs: any split of the columns over warps and blocks
+// gives the same bits.
+template <int NC, int CH, bool TO_SM>
+__device__ __forceinline__ void mx_gdn_rows_recur(float4 (&S)[NC], MxGdnSmem& sm, int M, int col0, int lane,
+                                                  float* __restrict__ og = nullptr, int og_stride = 0) {
+    static_assert(NC % CH == 0, "gdn.cuh: CH must divide the columns per warp");
+    // B: the recurrence, row by row, state in registers. The warp's NC columns are independent: CH of them at a
     // time run their S^T k sums interleaved, then their S^T q sums (per column: mx_dot4_lane, then the xor
     // butterfly, whatever CH is: same bits)
     for (int i = 0; i < M; ++i) {
@@ -274,7 +271,7 @@ __device__ __forceinline__ void mx_gdn_step_head_pre(const mx_u16* __restrict__ 
         const float4 q = *reinterpret_cast<const float4*>(&sm.qk[i][0][lane * 4]);
         const float dec = sm.decay[i], bt = sm.beta[i];
 #pragma unroll
-        for (int c0 = 0; c0 < MX_GDN_CPW; c0 += CH) {
+        for (int c0 = 0; c0 < NC; c0 += CH) {
             double t[CH];
 #pragma unroll
             for (int c = 0; c < CH; ++c) {
@@ -286,7 +283,7 @@ __device__ __forceinline__ void mx_gdn_step_head_pre(const mx_u16* __restrict__ 
 #pragma unroll
             for (int c = 0; c < CH; ++c) {
                 float4& s = S[c0 + c];
-                const int col = warp * MX_GDN_CPW + c0 + c;
+                const int col = col0 + c0 + c;
                 const float d = __fmul_rn(__fsub_rn(sm.v[i][col], (float)t[c]), bt);
                 s.x = __fadd_rn(s.x, __fmul_rn(k.x, d)); s.y = __fadd_rn(s.y, __fmul_rn(k.y, d));
                 s.z = __fadd_rn(s.z, __fmul_rn(k.z, d)); s.w = __fadd_rn(s.w, __fmul_rn(k.w, d));
@@ -295,16 +292,18 @@ __device__ __forceinline__ void mx_gdn_step_head_pre(const mx_u16* __restrict__ 
             mx_warp_sum_d_n<CH>(t);
             if (lane == 0) {
 #pragma unroll
-                for (int c = 0; c < CH; ++c) sm.o[i][warp * MX_GDN_CPW + c0 + c] = mx_round_bf((float)t[c]);
+                for (int c = 0; c < CH; ++c) {
+                    if (TO_SM) sm.o[i][col0 + c0 + c] = mx_round_bf((float)t[c]);
+                    else og[(size_t)i * og_stride + col0 + c0 + c] = mx_round_bf((float)t[c]);
+                }
             }
         }
     }
-#pragma unroll
-    for (int c = 0; c < MX_GDN_CPW; ++c) *reinterpret_cast<float4*>(st + c * QMK_GDN_DK) = S[c];
-    MX_GDN_STAMP(7);
-    __syncthreads();
-    MX_GDN_STAMP(8);
-    // C: gated RMSNorm with z, one warp per row (z and the weights parked in shared memory above)
+}
+
+// Phase C: the gated RMSNorm with z of each row (warp i < M: row i), from sm (o, zs) into out [M, VALUE_DIM].
+__device__ __forceinline__ void mx_gdn_rows_out(const MxGdnSmem& sm, mx_u16* __restrict__ out, int M, int j, int lane,
+                                                int warp) {
     if (warp < M) {
         const int i = warp;
         const size_t base = (size_t)i * QMK_GDN_VALUE_DIM + (size_t)j * QMK_GDN_DV + lane * 4;
@@ -320,6 +319,44 @@ __device__ __forceinline__ void mx_gdn_step_head_pre(const mx_u16* __restrict__ 
         yv.y = (unsigned)y[2] | ((unsigned)y[3] << 16);
         *reinterpret_cast<uint2*>(out + base) = yv;
     }
+}
+
+// Args: qkv [M, CONV_DIM] (in_proj_qkv output, pre-conv), z [M, VALUE_DIM], hn [M, HIDDEN] (normed hidden);
+// ring, state as above; out [M, VALUE_DIM] bf16; pos = position of row 0; pre = mx_gdn_prefetch of head j;
+// state_in: null, or a copy of head j's state [DV, DK] fp32 (the megakernel's, in shared memory, copied before its
+// dependency wait: the state depends only on the previous step) to read instead of `state`, which is still the one
+// written back. Same values, same bits.
+// CH: state columns whose warp sums run interleaved (the discrete kernel: all MX_GDN_CPW; the megakernel, short of
+// registers: 1); the bits do not depend on it.
+// hist, ring_write (prefill, qmk_gdn_prefill_in): the conv inputs of positions pos-hist .. pos-1 are read from the
+// rows of qkv before row 0 (qkv[-hist*CONV_DIM ..]) instead of the ring, and ring_write = false leaves the ring
+// untouched (the prefill kernel's blocks run their row tiles unordered; qmk_gdn_ring_fill writes the ring after
+// the launch). The defaults (0, true) are the decode step. Same values, same bits. Call from all threads of a
+// MX_GDN_THREADS block. The step is phases A (mx_gdn_rows_in), B (mx_gdn_rows_recur over the warp's columns) and
+// C (mx_gdn_rows_out); prefill runs the same three in separate kernels (gdn.cu).
+template <int CH, int MR = QMK_MAX_ROWS>
+__device__ __forceinline__ void mx_gdn_step_head_pre(const mx_u16* __restrict__ qkv, const mx_u16* __restrict__ z,
+                                     const mx_u16* __restrict__ hn, mx_u16* __restrict__ ring,
+                                     float* __restrict__ state, mx_u16* __restrict__ out, int pos, int M, int j,
+                                     const MxGdnPre& pre, MxGdnSmem& sm,
+                                     const float* __restrict__ state_in = nullptr, int hist = 0,
+                                     bool ring_write = true) {
+    static_assert(MX_GDN_CPW % CH == 0, "gdn.cuh: CH must divide the columns per warp");
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int hk = j / QMK_GDN_HEAD_GROUP;
+    const bool writes_qk = (j % QMK_GDN_HEAD_GROUP) == 0;
+    float4 S[MX_GDN_CPW];
+    float* st = state + ((size_t)j * QMK_GDN_DV + warp * MX_GDN_CPW) * QMK_GDN_DK + lane * 4;
+    const float* sr = state_in ? state_in + (warp * MX_GDN_CPW) * QMK_GDN_DK + lane * 4 : st;
+    mx_gdn_rows_in<CH, MR, MX_GDN_CPW>(qkv, z, hn, ring, sr, S, pos, M, j, pre, sm, hist, ring_write, tid, lane, warp,
+                                       hk, writes_qk);
+    mx_gdn_rows_recur<MX_GDN_CPW, CH, true>(S, sm, M, warp * MX_GDN_CPW, lane);
+#pragma unroll
+    for (int c = 0; c < MX_GDN_CPW; ++c) *reinterpret_cast<float4*>(st + c * QMK_GDN_DK) = S[c];
+    MX_GDN_STAMP(7);
+    __syncthreads();
+    MX_GDN_STAMP(8);
+    mx_gdn_rows_out(sm, out, M, j, lane, warp);
     MX_GDN_STAMP(9);
 }
 

@@ -1,4 +1,4 @@
-"""GPU tests of the chunked prefill (``discrete/prefill.py``; ``qmk_gdn_prefill``, ``qmk_gdn_ring_fill``,
+"""GPU tests of the chunked prefill (``discrete/prefill.py``; ``qmk_gdn_prefill_in`` / ``_recur`` / ``_out``, ``qmk_gdn_ring_fill``,
 ``qmk_rmsnorm_rows_grid``; the projection GEMM; the decode attention kernels over row tiles).
 
 Claim: bit identity, no tolerance. After a prompt, the GDN recurrent state and the whole conv ring (all 16 slots),
