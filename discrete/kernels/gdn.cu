@@ -32,17 +32,19 @@ qmk_gdn_decode(const mx_u16* __restrict__ qkv, const mx_u16* __restrict__ z, con
 //   qmk_gdn_prefill_out    grid (tiles, NV), block 256: phase C of tile z for head j -> out [T, VALUE_DIM] bf16.
 // Every value passes through global memory unchanged between the phases, and a state column's arithmetic does not
 // depend on the warp or block that runs it, so every row gets the bits of the decode step's.
-#define MX_GDN_IN_F4 (__builtin_offsetof(MxGdnSmem, o) / 16)    // qk, v, ab, decay, beta (from offset 0)
+// qk, v, ab, decay, beta: the float fields MxGdnSmem starts with (no padding), in float4
+#define MX_GDN_IN_F4 (QMK_MAX_ROWS * (2 * QMK_GDN_DK + QMK_GDN_DV + 2 * MX_GDN_NKB + 2) / 4)
 #define MX_GDN_ZS_F4 ((QMK_MAX_ROWS + 1) * 32)                    // zs: silu(z) per row, the norm weights
 #define MX_GDN_ROWS_F4 (MX_GDN_IN_F4 + MX_GDN_ZS_F4)
 #define MX_GDN_SPLIT 4                                            // recurrence blocks per value head
 #define MX_GDN_RTHREADS 256
 #define MX_GDN_RCPW (QMK_GDN_DV / (MX_GDN_SPLIT * (MX_GDN_RTHREADS / 32)))  // state columns per recurrence warp
-static_assert(__builtin_offsetof(MxGdnSmem, qk) == 0 && __builtin_offsetof(MxGdnSmem, o) % 16 == 0,
-              "gdn.cu: the phase-A region of MxGdnSmem must start the struct and end on 16 bytes");
+static_assert(QMK_MAX_ROWS * (2 * QMK_GDN_DK + QMK_GDN_DV + 2 * MX_GDN_NKB + 2) % 4 == 0 &&
+              sizeof(MxGdnSmem) == 16 * MX_GDN_IN_F4 + sizeof(float) * QMK_MAX_ROWS * QMK_GDN_DV + 16 * MX_GDN_ZS_F4,
+              "gdn.cu: MxGdnSmem is expected as qk, v, ab, decay, beta (the phase-A region), o, zs, unpadded");
 static_assert(QMK_GDN_DV % (MX_GDN_SPLIT * (MX_GDN_RTHREADS / 32)) == 0, "gdn.cu: recurrence column split");
 // Read by discrete/prefill.py (RawModule.get_global): the sizes its scratch and launches need.
-extern "C" __constant__ int qmk_gdn_prefill_geometry[3] = {(int)MX_GDN_ROWS_F4, MX_GDN_SPLIT, MX_GDN_RTHREADS};
+extern "C" __constant__ int qmk_gdn_prefill_geometry[3] = {MX_GDN_ROWS_F4, MX_GDN_SPLIT, MX_GDN_RTHREADS};
 
 // qmk: hot
 extern "C" __global__ void __launch_bounds__(MX_GDN_THREADS, 1)
@@ -61,7 +63,7 @@ qmk_gdn_prefill_in(const mx_u16* __restrict__ qkv, const mx_u16* __restrict__ z,
                       threadIdx.x & 31, threadIdx.x >> 5, j / QMK_GDN_HEAD_GROUP, (j % QMK_GDN_HEAD_GROUP) == 0);
     float4* dst = rows + ((size_t)blockIdx.x * QMK_GDN_NV + j) * MX_GDN_ROWS_F4;
     const float4* a = reinterpret_cast<const float4*>(&sm);
-    for (int e = threadIdx.x; e < (int)MX_GDN_IN_F4; e += MX_GDN_THREADS) dst[e] = a[e];
+    for (int e = threadIdx.x; e < MX_GDN_IN_F4; e += MX_GDN_THREADS) dst[e] = a[e];
     for (int e = threadIdx.x; e < MX_GDN_ZS_F4; e += MX_GDN_THREADS) dst[MX_GDN_IN_F4 + e] = (&sm.zs[0][0])[e];
 }
 
@@ -80,7 +82,7 @@ qmk_gdn_prefill_recur(const float4* __restrict__ rows, float* __restrict__ state
         const int M = T - t0 < QMK_MAX_ROWS ? T - t0 : QMK_MAX_ROWS;
         const float4* src = rows + ((size_t)(t0 / QMK_MAX_ROWS) * QMK_GDN_NV + j) * MX_GDN_ROWS_F4;
         __syncthreads();  // the previous tile's readers are done with sm
-        for (int e = threadIdx.x; e < (int)MX_GDN_IN_F4; e += MX_GDN_RTHREADS) a[e] = src[e];
+        for (int e = threadIdx.x; e < MX_GDN_IN_F4; e += MX_GDN_RTHREADS) a[e] = src[e];
         __syncthreads();
         float* o = o_raw + (size_t)t0 * QMK_GDN_VALUE_DIM + (size_t)j * QMK_GDN_DV;
         mx_gdn_rows_recur<MX_GDN_RCPW, MX_GDN_RCPW, false>(S, sm, M, col0, lane, o, QMK_GDN_VALUE_DIM);
