@@ -469,21 +469,23 @@ class FastModel:
         if st.ring is not None:
             st.ring["rows"] = 0
 
-    def park(self, st: FastState) -> dict:
+    def park(self, st: FastState, copy: bool = True) -> dict:
         """Copies of everything ``st`` holds for its ``pos`` tokens (for a move to another slot): K/V, ``toks``
         and ``hid`` rows below ``pos``, GDN conv + recurrent state, the anchor and its GDN state, ``hidden``, and
         the MTP cache rows below ``mtp_pos`` (None when it was never allocated). The replay ring is not kept: it
-        is only live inside a speculative round (between ``decode(record=True)`` and ``keep_rows``)."""
+        is only live inside a speculative round (between ``decode(record=True)`` and ``keep_rows``).
+        ``copy=False``: views of the same arrays instead (their sizes, without copying)."""
         p, m = st.pos, st.mtp_pos
-        cp = lambda d: {i: x.copy() for i, x in d.items()}  # noqa: E731
+        c = (lambda x: x.copy()) if copy else (lambda x: x)  # noqa: E731
+        cd = lambda d: {i: c(x) for i, x in d.items()}  # noqa: E731
         return {"pos": p, "anchor": st.anchor, "mtp_pos": m,
-                "k": {i: x[:, :p].copy() for i, x in st.k.items()},
-                "v": {i: x[:, :p].copy() for i, x in st.v.items()},
-                "conv": cp(st.conv), "rec": cp(st.rec), "ck_conv": cp(st.ck_conv), "ck_rec": cp(st.ck_rec),
-                "toks": st.toks[:p].copy(), "hid": st.hid[:p].copy(),
-                "hidden": None if st.hidden is None else st.hidden.copy(),
-                "mtp_k": None if st.mtp_k is None else st.mtp_k[:, :m].copy(),
-                "mtp_v": None if st.mtp_v is None else st.mtp_v[:, :m].copy()}
+                "k": {i: c(x[:, :p]) for i, x in st.k.items()},
+                "v": {i: c(x[:, :p]) for i, x in st.v.items()},
+                "conv": cd(st.conv), "rec": cd(st.rec), "ck_conv": cd(st.ck_conv), "ck_rec": cd(st.ck_rec),
+                "toks": c(st.toks[:p]), "hid": c(st.hid[:p]),
+                "hidden": None if st.hidden is None else c(st.hidden),
+                "mtp_k": None if st.mtp_k is None else c(st.mtp_k[:, :m]),
+                "mtp_v": None if st.mtp_v is None else c(st.mtp_v[:, :m])}
 
     def unpark(self, st: FastState, data: dict) -> None:
         """Put a ``park`` result into ``st`` (of the same capacity, cleared): afterwards it decodes and prefills

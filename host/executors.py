@@ -98,6 +98,11 @@ class Executor(ABC):
         NotImplementedError for an executor that cannot park."""
         raise NotImplementedError(f"{self.name} executor cannot park a session")
 
+    def park_nbytes(self, snapshots: Sequence = ()) -> int:
+        """Host bytes ``park(snapshots)`` would hold for the selected slot, computed without copying (the
+        server's park-or-drop choice). Raises NotImplementedError for an executor that cannot park."""
+        raise NotImplementedError(f"{self.name} executor cannot park a session")
+
     def unpark(self, parked: ParkedState, slot: int) -> list:
         """Reset ``slot``, put ``parked`` into it and select it: the slot then continues bit-identically to the
         one parked. Returns the snapshots in the form ``state_restore`` takes, in ``park``'s order. Raises
@@ -269,6 +274,9 @@ class CpuExecutor(Executor):
         return ParkedState(self.name, data["pos"], data, snaps, _nbytes(data) + _nbytes(snaps),
                            time.perf_counter() - t0)
 
+    def park_nbytes(self, snapshots: Sequence = ()) -> int:
+        return _nbytes(self.model.park(self._state, copy=False)) + _nbytes(list(snapshots))
+
     def unpark(self, parked: ParkedState, slot: int) -> list:
         """Reset ``slot`` and copy ``parked`` into it (``FastModel.unpark``); selects it; returns the snapshots."""
         self._check_parked(parked)
@@ -373,16 +381,24 @@ class CpuVmExecutor(Executor):
         position and ``mtp_pos``, GDN conv + recurrent state, the prefill's chunk checkpoint and ``hidden``;
         ``snapshots`` (host copies already) are kept as they are."""
         t0 = time.perf_counter()
+        data = self._park_data(copy.deepcopy)
+        snaps = list(snapshots)
+        return ParkedState(self.name, data["pos"], data, snaps, _nbytes(data) + _nbytes(snaps),
+                           time.perf_counter() - t0)
+
+    def park_nbytes(self, snapshots: Sequence = ()) -> int:
+        return _nbytes(self._park_data(lambda x: x)) + _nbytes(list(snapshots))
+
+    def _park_data(self, c) -> dict:
+        """What ``park`` keeps, each piece passed through ``c`` (a deep copy, or the identity for sizes)."""
         st = self._state
         p, m = st.pos, st.mtp_pos
-        data = {"pos": p, "mtp_pos": m, "k": {i: a[:p].copy() for i, a in st.k.items()},
-                "v": {i: a[:p].copy() for i, a in st.v.items()},
-                "mtp_k": None if st.mtp_k is None else st.mtp_k[:m].copy(),
-                "mtp_v": None if st.mtp_v is None else st.mtp_v[:m].copy(),
-                "conv": copy.deepcopy(st.conv), "rec": copy.deepcopy(st.rec), "ckpt": copy.deepcopy(st.ckpt),
-                "hidden": None if st.hidden is None else np.array(st.hidden, copy=True)}
-        snaps = list(snapshots)
-        return ParkedState(self.name, p, data, snaps, _nbytes(data) + _nbytes(snaps), time.perf_counter() - t0)
+        return {"pos": p, "mtp_pos": m, "k": {i: c(a[:p]) for i, a in st.k.items()},
+                "v": {i: c(a[:p]) for i, a in st.v.items()},
+                "mtp_k": None if st.mtp_k is None else c(st.mtp_k[:m]),
+                "mtp_v": None if st.mtp_v is None else c(st.mtp_v[:m]),
+                "conv": c(st.conv), "rec": c(st.rec), "ckpt": c(st.ckpt),
+                "hidden": None if st.hidden is None else c(st.hidden)}
 
     def unpark(self, parked: ParkedState, slot: int) -> list:
         """A fresh ``ModelState`` in ``slot`` (``reset``) filled from ``parked``; selects it; returns the
@@ -610,6 +626,14 @@ class GraphExecutor(Executor):
         nbytes = _nbytes(data) + _nbytes(snaps)
         self._measured(nbytes, dt)
         return ParkedState(self.name, pos, data, snaps, nbytes, dt)
+
+    def park_nbytes(self, snapshots: Sequence = ()) -> int:
+        d = self.dstep
+        _, full, rows, pbytes, _ = self._kv_rows(d.pos)
+        per_row = int(np.prod(d.kv.shape[1:4])) * d.kv.shape[5] * 2
+        state = sum(a.nbytes for a in (*d.rec.values(), *d.ring.values()))
+        snaps = sum(a.nbytes for q in snapshots for key in ("rec", "ring") for a in q[key].values())
+        return full * pbytes + rows * per_row + state + snaps
 
     def unpark(self, parked: ParkedState, slot: int) -> list:
         """Reset ``slot``, copy ``parked`` back (the KV rows into this slot's own pages, the GDN state, the
