@@ -83,14 +83,16 @@ def test_executor_park_unpark_is_bit_identical_and_a_corrupted_park_is_not(eng):
 
 def test_unparked_state_equals_the_parked_one_below_its_position(eng):
     ex = eng.executor
-    ids = eng.encode(PROMPT * 2)
-    _prefilled(eng, ids, 0)
-    st = ex._state
-    before = ex.model.park(st)
+    s = eng.new_session()  # speculative decoding fills the MTP cache, which parks too
+    s.generate(eng.encode(PROMPT * 2), max_new_tokens=8, speculate=2, stop_ids=[]).result()
+    s._ex()
+    before = ex.model.park(ex._state)
+    assert before["mtp_k"] is not None and before["mtp_pos"] > 0
     parked = ex.park()
-    ex.reset(1)
-    _prefilled(eng, eng.encode("poison " * 80), 1)
-    ex.unpark(parked, 1)
+    other = 1 - s.slot
+    s.close()
+    _prefilled(eng, eng.encode("poison " * 80), other)
+    ex.unpark(parked, other)
     after = ex.model.park(ex._state)
     for key, a in before.items():
         b = after[key]
@@ -116,7 +118,7 @@ def test_session_park_unpark_continues_as_a_session_never_parked(eng):
     a = eng.new_session()
     b = eng.new_session()  # both slots taken: a parked session must wait for a free one
     msgs = [{"role": "user", "content": "def fibonacci(n):"}]
-    g = a.chat(msgs, max_new_tokens=12, temperature=0)
+    g = a.chat(msgs, max_new_tokens=12, temperature=0, speculate=2)
     first = g.result()
     n_ckpt = len(a.checkpoints)
     parked = a.park()
@@ -134,13 +136,15 @@ def test_session_park_unpark_continues_as_a_session_never_parked(eng):
     a.unpark()
     follow = msgs + [{"role": "assistant", "content": first.content},
                      {"role": "user", "content": "Now print the first ten."}]
-    r = a.chat(follow, max_new_tokens=16, temperature=0).result()
+    r = a.chat(follow, max_new_tokens=16, temperature=0, speculate=2).result()
     assert r.timings.reused_tokens > 0, "the follow-up reuses the parked history"
-    fresh = eng.new_session()
-    ref = fresh.chat(follow, max_new_tokens=16, temperature=0).result()
-    assert r.ids == ref.ids
+    twin = eng.new_session()  # the same two turns, never parked
+    twin.chat(msgs, max_new_tokens=12, temperature=0, speculate=2).result()
+    ref = twin.chat(follow, max_new_tokens=16, temperature=0, speculate=2).result()
+    assert r.ids == ref.ids and r.timings.reused_tokens == ref.timings.reused_tokens
+    assert r.timings.acceptance_counts == ref.timings.acceptance_counts  # the drafts read the parked MTP cache
     a.close()
-    fresh.close()
+    twin.close()
 
 
 def test_cpu_vm_executor_parks_bit_identically(tiny_ckpt):
