@@ -275,6 +275,7 @@ class CpuExecutor(Executor):
                            time.perf_counter() - t0)
 
     def park_nbytes(self, snapshots: Sequence = ()) -> int:
+        """Bytes ``park(snapshots)`` would hold: the sizes of ``FastModel.park``'s views plus the snapshots."""
         return _nbytes(self.model.park(self._state, copy=False)) + _nbytes(list(snapshots))
 
     def unpark(self, parked: ParkedState, slot: int) -> list:
@@ -387,6 +388,7 @@ class CpuVmExecutor(Executor):
                            time.perf_counter() - t0)
 
     def park_nbytes(self, snapshots: Sequence = ()) -> int:
+        """Bytes ``park(snapshots)`` would hold: the sizes of the pieces it copies plus the snapshots."""
         return _nbytes(self._park_data(lambda x: x)) + _nbytes(list(snapshots))
 
     def _park_data(self, c) -> dict:
@@ -628,6 +630,7 @@ class GraphExecutor(Executor):
         return ParkedState(self.name, pos, data, snaps, nbytes, dt)
 
     def park_nbytes(self, snapshots: Sequence = ()) -> int:
+        """Bytes ``park(snapshots)`` would pin: the KV rows in use, GDN state and conv rings, the snapshots."""
         d = self.dstep
         _, full, rows, pbytes, _ = self._kv_rows(d.pos)
         per_row = int(np.prod(d.kv.shape[1:4])) * d.kv.shape[5] * 2

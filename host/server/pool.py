@@ -100,7 +100,11 @@ class SessionPool:
             self.parked_bytes -= best.parked.nbytes
             if not self.engine._free and self.sessions:
                 self._evict()
-            best.unpark()
+            try:
+                best.unpark()
+            except BaseException:
+                best.close()  # out of the pool: its parked state is dropped
+                raise
             self.counts["unparked"] += 1
         elif best is None:
             if not self.engine._free and self.sessions:
