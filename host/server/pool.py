@@ -7,10 +7,10 @@ pool picks the session with the most usable tokens, resident or parked; a reques
 slot, or the least recently used resident session is evicted: parked in host memory (``Session.park``) when moving
 it back would cost less than re-running its tokens, within a byte budget (``park_memory``), else closed. A parked
 session that a request picks is unparked into a slot (``Session.unpark``, bit-identical to one never parked);
-parked sessions past the budget are closed, least recently used first. Reusing a session whose history diverges from the prompt
-drops its tail past the restart point: in a chat with thinking on that tail is the last reply, which the next
-turn's render changes anyway (the template drops an earlier turn's reasoning), so it was never reusable. Only the
-engine's worker thread touches the pool.
+parked sessions past the budget are closed, least recently used first. Reusing a session whose history diverges
+from the prompt drops its tail past the restart point: in a chat with thinking on that tail is the last reply,
+which the next turn's render changes anyway (the template drops an earlier turn's reasoning), so it was never
+reusable. Only the engine's worker thread touches the pool.
 """
 from __future__ import annotations
 
