@@ -449,9 +449,13 @@ class _DeviceStepOutput(StepOutput):
 
 
 def _pinned(shape: tuple, dtype) -> np.ndarray:
-    """An uninitialised page-locked NumPy array (CuPy's pinned pool): the target of async device copies."""
+    """An uninitialised page-locked NumPy array (CuPy's pinned pool): the target of async device copies. An empty
+    shape gives a plain empty array (nothing is copied into it)."""
+    shape = tuple(int(n) for n in shape)
+    if int(np.prod(shape)) == 0:
+        return np.empty(shape, dtype)
     import cupyx
-    return cupyx.empty_pinned(tuple(int(n) for n in shape), dtype)
+    return cupyx.empty_pinned(shape, dtype)
 
 
 def _to_host(a, stream_ptr: int) -> np.ndarray:
