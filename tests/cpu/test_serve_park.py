@@ -4,7 +4,9 @@ trained small model on the cpu executor and one engine slot, so every other conv
 Through the ``openai`` client: two conversations alternating on a one-slot server report cached prompt tokens
 (their state came back from host memory) and answer as a fresh engine given the whole conversation. On the pool
 directly: the budget closes the least recently used parked session, a budget of 0 never parks (the next turn
-re-runs its prompt from scratch), and a parked session too costly to move back is closed, not parked.
+re-runs its prompt from scratch), and a parked session too costly to move back is closed, not parked. On the
+command line: ``--park-memory GIB`` reaches the pool in bytes (absent: the pool's default), a negative one is a
+usage error.
 """
 from __future__ import annotations
 
@@ -132,3 +134,31 @@ def test_a_session_cheaper_to_re_prefill_is_closed_not_parked(local, monkeypatch
     _turn(pool, local, "def c(x):")  # at the executor's rate parking pays again
     assert pool.counts["parked"] == 1
     pool.close()
+
+
+@pytest.mark.parametrize("args, want", [([], None), (["--park-memory", "0"], 0),
+                                        (["--park-memory", "0.5"], 1 << 29)])
+def test_park_memory_flag_reaches_the_pool_in_bytes(monkeypatch, args, want):
+    from click.testing import CliRunner
+
+    import host.commands.serve as serve
+    import host.engine
+    import host.server.app
+    from host.cli import main
+
+    seen = {}
+    monkeypatch.setattr(host.engine.Engine, "load", classmethod(lambda cls, *a, **kw: SimpleNamespace()))
+    monkeypatch.setattr(host.server.app, "create_app", lambda eng, **kw: seen.update(kw) or SimpleNamespace())
+    monkeypatch.setattr(serve, "serve_app", lambda app, sock, **kw: sock.close())
+    r = CliRunner().invoke(main, ["serve", "--port", "0", *args])
+    assert r.exit_code == 0, r.output
+    assert seen["park_memory"] == want
+
+
+def test_a_negative_park_memory_is_a_usage_error():
+    from click.testing import CliRunner
+
+    from host.cli import main
+
+    r = CliRunner().invoke(main, ["serve", "--port", "0", "--park-memory", "-1"])
+    assert r.exit_code == 2 and "--park-memory" in r.output
