@@ -469,6 +469,48 @@ class FastModel:
         if st.ring is not None:
             st.ring["rows"] = 0
 
+    def park(self, st: FastState, copy: bool = True) -> dict:
+        """Copies of everything ``st`` holds for its ``pos`` tokens (for a move to another slot): K/V, ``toks``
+        and ``hid`` rows below ``pos``, GDN conv + recurrent state, the anchor and its GDN state, ``hidden``, and
+        the MTP cache rows below ``mtp_pos`` (None when it was never allocated). The replay ring is not kept: it
+        is only live inside a speculative round (between ``decode(record=True)`` and ``keep_rows``).
+        ``copy=False``: views of the same arrays instead (their sizes, without copying)."""
+        p, m = st.pos, st.mtp_pos
+        c = (lambda x: x.copy()) if copy else (lambda x: x)  # noqa: E731
+        cd = lambda d: {i: c(x) for i, x in d.items()}  # noqa: E731
+        return {"pos": p, "anchor": st.anchor, "mtp_pos": m,
+                "k": {i: c(x[:, :p]) for i, x in st.k.items()},
+                "v": {i: c(x[:, :p]) for i, x in st.v.items()},
+                "conv": cd(st.conv), "rec": cd(st.rec), "ck_conv": cd(st.ck_conv), "ck_rec": cd(st.ck_rec),
+                "toks": c(st.toks[:p]), "hid": c(st.hid[:p]),
+                "hidden": None if st.hidden is None else c(st.hidden),
+                "mtp_k": None if st.mtp_k is None else c(st.mtp_k[:, :m]),
+                "mtp_v": None if st.mtp_v is None else c(st.mtp_v[:, :m])}
+
+    def unpark(self, st: FastState, data: dict) -> None:
+        """Put a ``park`` result into ``st`` (of the same capacity, cleared): afterwards it decodes and prefills
+        bit-identically to the state parked. Raises ValueError when ``data`` holds more positions than ``st``."""
+        p, m = data["pos"], data["mtp_pos"]
+        if p > st.capacity:
+            raise ValueError(f"FastModel.unpark: {p} positions parked, the state holds {st.capacity}")
+        for i in st.k:
+            st.k[i][:, :p], st.v[i][:, :p] = data["k"][i], data["v"][i]
+        for i in st.rec:
+            st.conv[i][...], st.rec[i][...] = data["conv"][i], data["rec"][i]
+            st.ck_conv[i][...], st.ck_rec[i][...] = data["ck_conv"][i], data["ck_rec"][i]
+        st.toks[:p], st.hid[:p] = data["toks"], data["hid"]
+        st.pos, st.anchor, st.hw = p, data["anchor"], max(st.hw, p)
+        st.hidden = None if data["hidden"] is None else data["hidden"].copy()
+        if data["mtp_k"] is not None:
+            if st.mtp_k is None:
+                c = self.cfg
+                st.mtp_k, st.mtp_v = (np.full((c.num_key_value_heads, st.capacity, c.head_dim), np.nan, F32)
+                                      for _ in "kv")
+            st.mtp_k[:, :m], st.mtp_v[:, :m] = data["mtp_k"], data["mtp_v"]
+        st.mtp_pos = m if data["mtp_k"] is not None else 0
+        if st.ring is not None:
+            st.ring["rows"] = 0
+
     def decode(self, st: FastState, ids, record: bool = False) -> np.ndarray:
         """Generation / verify path: ids [M] (a scalar is M = 1) at positions st.pos.. → logits [M, V] bf16, each
         row bit-identical to decoding its token alone after the rows before it; ``record`` keeps the replay ring."""

@@ -129,10 +129,14 @@ class Engine:
     # ------------------------------------------------------------------ sessions
     def new_session(self) -> Session:
         """A session in a free executor slot. Raises EngineError when every slot is taken."""
+        return Session(self, self._take_slot())
+
+    def _take_slot(self) -> int:
+        """A free slot, taken. Raises EngineError when every slot is in use."""
         if not self._free:
             raise EngineError(f"all {self.executor.slots} session slots are in use (open sessions and one-shot "
                               "generations still streaming); close() a session or finish a generation first")
-        return Session(self, self._free.pop(0))
+        return self._free.pop(0)
 
     def _release_slot(self, slot: int) -> None:
         if slot not in self._free:

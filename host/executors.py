@@ -8,7 +8,10 @@ the model for the selected slot. The host loop (``host.session``) only ever call
     step(token)            run one token -> StepOutput
     state_snapshot()       opaque copy of the selected slot's state (recurrent + conv + position)
     state_restore(snap)    put a snapshot back (KV rows below its position are never overwritten after it)
-    position, capacity, slots, name, detail
+    park(snapshots)        the selected slot's whole state (and the session's snapshots) as a ParkedState in host
+                           memory; the slot may then be reset and reused
+    unpark(parked, slot)   a ParkedState put back into ``slot`` (any free one) and selected; returns its snapshots
+    position, capacity, slots, name, detail, transfer_rate
 
 ``StepOutput.logits`` is the last row's logits [V] bf16 (``None`` when the executor chose the token on the
 device); ``StepOutput.token`` is the device's greedy choice with the padding rows excluded (``None`` when the
@@ -49,6 +52,35 @@ class StepOutput:
     token: int | None = None
 
 
+@dataclass
+class ParkedState:
+    """A session's executor state moved out of its slot into host memory (``Executor.park``).
+
+    ``kind``: the executor's name (a ParkedState goes back only into an executor of that kind); ``position``:
+    tokens whose effect it holds; ``data``: the executor's own host copies (the cpu executors: NumPy arrays; the
+    GPU executors: pinned NumPy arrays); ``snapshots``: the session's state snapshots in host form, in the order
+    given to ``park``; ``nbytes``: host bytes held (data and snapshots), what the server's ``--park-memory``
+    budget counts; ``park_s``: seconds the copy out took (with the device synchronised)."""
+
+    kind: str
+    position: int
+    data: dict
+    snapshots: list
+    nbytes: int
+    park_s: float = 0.0
+
+
+def _nbytes(obj) -> int:
+    """Bytes of the NumPy arrays in a nest of dicts / lists / tuples (other leaves count 0)."""
+    if isinstance(obj, np.ndarray):
+        return int(obj.nbytes)
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
 class Executor(ABC):
     """Interface the host loop drives; see the module docstring."""
 
@@ -56,6 +88,37 @@ class Executor(ABC):
     detail: str = ""
     capacity: int = 0
     slots: int = 1
+    # host <-> slot copy rate in bytes/s that park / unpark are estimated at until one is measured (the server's
+    # park-or-drop choice, host.server.pool); ``unpark`` replaces it with the rate it measures
+    transfer_rate: float = 2e9
+
+    def park(self, snapshots: Sequence = ()) -> ParkedState:
+        """The selected slot's whole state and ``snapshots`` (this slot's ``state_snapshot()`` results) copied
+        into host memory as a ParkedState; the slot is left as it was (reset it to reuse it). Raises
+        NotImplementedError for an executor that cannot park."""
+        raise NotImplementedError(f"{self.name} executor cannot park a session")
+
+    def park_nbytes(self, snapshots: Sequence = ()) -> int:
+        """Host bytes ``park(snapshots)`` would hold for the selected slot, computed without copying (the
+        server's park-or-drop choice). Raises NotImplementedError for an executor that cannot park."""
+        raise NotImplementedError(f"{self.name} executor cannot park a session")
+
+    def unpark(self, parked: ParkedState, slot: int) -> list:
+        """Reset ``slot``, put ``parked`` into it and select it: the slot then continues bit-identically to the
+        one parked. Returns the snapshots in the form ``state_restore`` takes, in ``park``'s order. Raises
+        ValueError for a ParkedState of another executor kind or a slot out of range."""
+        raise NotImplementedError(f"{self.name} executor cannot unpark a session")
+
+    def _check_parked(self, parked: ParkedState) -> None:
+        if not isinstance(parked, ParkedState) or parked.kind != self.name:
+            raise ValueError(f"{self.name} executor: cannot unpark "
+                             f"{getattr(parked, 'kind', type(parked).__name__)!r} state")
+
+    def _measured(self, nbytes: int, seconds: float) -> None:
+        """Update ``transfer_rate`` from one copy of ``nbytes`` taking ``seconds`` (copies under 1 MiB are
+        dominated by call overheads and ignored)."""
+        if nbytes >= 1 << 20 and seconds > 0:
+            self.transfer_rate = nbytes / seconds
 
     @abstractmethod
     def reset(self, slot: int = 0) -> None: ...
@@ -202,6 +265,28 @@ class CpuExecutor(Executor):
         """Put a snapshot of this slot's history back in place (``FastModel.restore``)."""
         self.model.restore(self._state, snap)
 
+    def park(self, snapshots: Sequence = ()) -> ParkedState:
+        """The selected slot's state copied out (``FastModel.park``: K/V, ids, hidden rows and MTP cache below the
+        position, GDN state, the chunk anchor); ``snapshots`` are host copies already and are kept as they are."""
+        t0 = time.perf_counter()
+        data = self.model.park(self._state)
+        snaps = list(snapshots)
+        return ParkedState(self.name, data["pos"], data, snaps, _nbytes(data) + _nbytes(snaps),
+                           time.perf_counter() - t0)
+
+    def park_nbytes(self, snapshots: Sequence = ()) -> int:
+        """Bytes ``park(snapshots)`` would hold: the sizes of ``FastModel.park``'s views plus the snapshots."""
+        return _nbytes(self.model.park(self._state, copy=False)) + _nbytes(list(snapshots))
+
+    def unpark(self, parked: ParkedState, slot: int) -> list:
+        """Reset ``slot`` and copy ``parked`` into it (``FastModel.unpark``); selects it; returns the snapshots."""
+        self._check_parked(parked)
+        self.reset(slot)
+        t0 = time.perf_counter()
+        self.model.unpark(self._state, parked.data)
+        self._measured(_nbytes(parked.data), time.perf_counter() - t0)
+        return list(parked.snapshots)
+
 
 class CpuVmExecutor(Executor):
     """The ``cpu-vm`` executor: the model on the CPU with the NumPy reference (``assembler.ref.model.ReferenceModel``),
@@ -292,6 +377,49 @@ class CpuVmExecutor(Executor):
         st.pos, st.conv, st.rec = snap["pos"], copy.deepcopy(snap["conv"]), copy.deepcopy(snap["rec"])
         st.hidden = None
 
+    def park(self, snapshots: Sequence = ()) -> ParkedState:
+        """Copies of the selected slot's ``ModelState`` for its ``pos`` tokens: K/V and MTP K/V rows below the
+        position and ``mtp_pos``, GDN conv + recurrent state, the prefill's chunk checkpoint and ``hidden``;
+        ``snapshots`` (host copies already) are kept as they are."""
+        t0 = time.perf_counter()
+        data = self._park_data(copy.deepcopy)
+        snaps = list(snapshots)
+        return ParkedState(self.name, data["pos"], data, snaps, _nbytes(data) + _nbytes(snaps),
+                           time.perf_counter() - t0)
+
+    def park_nbytes(self, snapshots: Sequence = ()) -> int:
+        """Bytes ``park(snapshots)`` would hold: the sizes of the pieces it copies plus the snapshots."""
+        return _nbytes(self._park_data(lambda x: x)) + _nbytes(list(snapshots))
+
+    def _park_data(self, c) -> dict:
+        """What ``park`` keeps, each piece passed through ``c`` (a deep copy, or the identity for sizes)."""
+        st = self._state
+        p, m = st.pos, st.mtp_pos
+        return {"pos": p, "mtp_pos": m, "k": {i: c(a[:p]) for i, a in st.k.items()},
+                "v": {i: c(a[:p]) for i, a in st.v.items()},
+                "mtp_k": None if st.mtp_k is None else c(st.mtp_k[:m]),
+                "mtp_v": None if st.mtp_v is None else c(st.mtp_v[:m]),
+                "conv": c(st.conv), "rec": c(st.rec), "ckpt": c(st.ckpt),
+                "hidden": None if st.hidden is None else c(st.hidden)}
+
+    def unpark(self, parked: ParkedState, slot: int) -> list:
+        """A fresh ``ModelState`` in ``slot`` (``reset``) filled from ``parked``; selects it; returns the
+        snapshots."""
+        self._check_parked(parked)
+        self.reset(slot)
+        t0 = time.perf_counter()
+        st, d = self._state, parked.data
+        p, m = d["pos"], d["mtp_pos"]
+        for i in st.k:
+            st.k[i][:p], st.v[i][:p] = d["k"][i], d["v"][i]
+        if d["mtp_k"] is not None:
+            st.mtp_k[:m], st.mtp_v[:m] = d["mtp_k"], d["mtp_v"]
+        st.pos, st.mtp_pos = p, m
+        st.conv, st.rec, st.ckpt = copy.deepcopy(d["conv"]), copy.deepcopy(d["rec"]), copy.deepcopy(d["ckpt"])
+        st.hidden = None if d["hidden"] is None else np.array(d["hidden"], copy=True)
+        self._measured(_nbytes(d), time.perf_counter() - t0)
+        return list(parked.snapshots)
+
 
 def check_kind(kind: str) -> None:
     """Cheap check before any weights are read: the kind exists (else InvalidArgument) and, for GPU kinds, a
@@ -320,6 +448,35 @@ class _DeviceStepOutput(StepOutput):
         return self._logits
 
 
+def _pinned(shape: tuple, dtype) -> np.ndarray:
+    """An uninitialised page-locked NumPy array (CuPy's pinned pool): the target of async device copies. An empty
+    shape gives a plain empty array (nothing is copied into it)."""
+    shape = tuple(int(n) for n in shape)
+    if int(np.prod(shape)) == 0:
+        return np.empty(shape, dtype)
+    import cupyx
+    return cupyx.empty_pinned(shape, dtype)
+
+
+def _to_host(a, stream_ptr: int) -> np.ndarray:
+    """A pinned host copy of the C-contiguous CuPy array ``a``, enqueued on the stream (valid after a sync)."""
+    import cupy as cp
+    if not a.flags.c_contiguous:
+        raise ValueError("park: expected a C-contiguous device array")
+    h = _pinned(a.shape, a.dtype)
+    cp.cuda.runtime.memcpyAsync(h.ctypes.data, a.data.ptr, a.nbytes, cp.cuda.runtime.memcpyDeviceToHost, stream_ptr)
+    return h
+
+
+def _to_device(h: np.ndarray, a, stream_ptr: int) -> None:
+    """Copy the host array ``h`` into the C-contiguous CuPy array ``a`` of the same shape and dtype, on the
+    stream. Raises ValueError on a mismatch."""
+    import cupy as cp
+    if h.shape != a.shape or h.dtype != a.dtype or not a.flags.c_contiguous:
+        raise ValueError(f"unpark: host {h.dtype}{h.shape} does not fit device {a.dtype}{a.shape}")
+    cp.cuda.runtime.memcpyAsync(a.data.ptr, h.ctypes.data, h.nbytes, cp.cuda.runtime.memcpyHostToDevice, stream_ptr)
+
+
 class GraphExecutor(Executor):
     """Discrete kernels replayed as one CUDA graph per step (``discrete.step.DecodeStep``).
 
@@ -333,6 +490,8 @@ class GraphExecutor(Executor):
     without a GPU."""
 
     name = "graph"
+    transfer_rate = 2e10  # pinned host <-> H200 copies until one is measured (an estimate: PCIe Gen5 x16 peaks
+    #                       at 64 GB/s each way)
 
     def __init__(self, weights, capacity: int, slots: int = 1):
         check_kind(self.name)
@@ -431,6 +590,98 @@ class GraphExecutor(Executor):
                 d.rec[i][...] = a
             for i, a in snap["ring"].items():
                 d.ring[i][...] = a
+
+    def _kv_rows(self, pos: int) -> tuple[list[int], int, int, int, int]:
+        """Where the KV rows of positions [0, pos) lie in the page pool (``discrete.kv_cache``): (the session's
+        pages in order, full pages, rows in the last partial page, bytes per page, bytes of one (layer, K|V,
+        head) run of PAGE rows)."""
+        kv = self.dstep.kv
+        page, hd = kv.shape[4], kv.shape[5]
+        return self.dstep.sess.pages, pos // page, pos % page, kv.page_stride * 2, page * hd * 2
+
+    def park(self, snapshots: Sequence = ()) -> ParkedState:
+        """The slot's state copied into pinned host memory with CuPy async copies on the executor's stream:
+        the GDN recurrent state and conv rings (whole), the KV rows in use (the full pages below the position
+        whole, then only the rows of the last, partial page: one 2-D copy of L × 2 × n_kv runs of ``rows`` ×
+        head_dim), the position; ``snapshots`` (device copies) likewise. Synchronises before it returns."""
+        import cupy as cp
+
+        d, rt = self.dstep, cp.cuda.runtime
+        t0 = time.perf_counter()
+        pos = d.pos
+        pages, full, rows, pbytes, run = self._kv_rows(pos)
+        shape = d.kv.shape
+        base = d.kv.pool.data.ptr
+        kv_full = _pinned((full,) + shape[1:], np.uint16)
+        kv_tail = _pinned(shape[1:4] + (rows, shape[5]), np.uint16)
+        sp = d.stream.ptr  # stream order: the copies read the state after the last step's writes
+        for j in range(full):
+            rt.memcpyAsync(kv_full.ctypes.data + j * pbytes, base + pages[j] * pbytes, pbytes,
+                           rt.memcpyDeviceToHost, sp)
+        if rows:
+            w = rows * shape[5] * 2
+            rt.memcpy2DAsync(kv_tail.ctypes.data, w, base + pages[full] * pbytes, run, w,
+                             int(np.prod(shape[1:4])), rt.memcpyDeviceToHost, sp)
+        data = {"pos": pos, "kv_full": kv_full, "kv_tail": kv_tail,
+                "rec": {i: _to_host(a, sp) for i, a in d.rec.items()},
+                "ring": {i: _to_host(a, sp) for i, a in d.ring.items()}}
+        snaps = [{"pos": q["pos"], "rec": {i: _to_host(a, sp) for i, a in q["rec"].items()},
+                  "ring": {i: _to_host(a, sp) for i, a in q["ring"].items()}} for q in snapshots]
+        d.stream.synchronize()
+        dt = time.perf_counter() - t0
+        nbytes = _nbytes(data) + _nbytes(snaps)
+        self._measured(nbytes, dt)
+        return ParkedState(self.name, pos, data, snaps, nbytes, dt)
+
+    def park_nbytes(self, snapshots: Sequence = ()) -> int:
+        """Bytes ``park(snapshots)`` would pin: the KV rows in use, GDN state and conv rings, the snapshots."""
+        d = self.dstep
+        _, full, rows, pbytes, _ = self._kv_rows(d.pos)
+        per_row = int(np.prod(d.kv.shape[1:4])) * d.kv.shape[5] * 2
+        state = sum(a.nbytes for a in (*d.rec.values(), *d.ring.values()))
+        snaps = sum(a.nbytes for q in snapshots for key in ("rec", "ring") for a in q[key].values())
+        return full * pbytes + rows * per_row + state + snaps
+
+    def unpark(self, parked: ParkedState, slot: int) -> list:
+        """Reset ``slot``, copy ``parked`` back (the KV rows into this slot's own pages, the GDN state, the
+        position into the control block) and return its snapshots as device copies; synchronises."""
+        import cupy as cp
+
+        self._check_parked(parked)
+        self.reset(slot)
+        d, rt, data = self.dstep, cp.cuda.runtime, parked.data
+        t0 = time.perf_counter()
+        pos = data["pos"]
+        if pos > self.capacity:
+            raise ValueError(f"{self.name} executor: {pos} positions parked, the slot holds {self.capacity}")
+        pages, full, rows, pbytes, run = self._kv_rows(pos)
+        shape, base, sp = d.kv.shape, d.kv.pool.data.ptr, d.stream.ptr
+        kv_full, kv_tail = data["kv_full"], data["kv_tail"]
+        for j in range(full):
+            rt.memcpyAsync(base + pages[j] * pbytes, kv_full.ctypes.data + j * pbytes, pbytes,
+                           rt.memcpyHostToDevice, sp)
+        if rows:
+            w = rows * shape[5] * 2
+            rt.memcpy2DAsync(base + pages[full] * pbytes, run, kv_tail.ctypes.data, w, w,
+                             int(np.prod(shape[1:4])), rt.memcpyHostToDevice, sp)
+        for i, h in data["rec"].items():
+            _to_device(h, d.rec[i], sp)
+        for i, h in data["ring"].items():
+            _to_device(h, d.ring[i], sp)
+        c = d.control()
+        c["pos"] = pos
+        d.write_control(c)
+        with d.stream:
+            snaps = [{"pos": q["pos"], "rec": {i: cp.empty(h.shape, h.dtype) for i, h in q["rec"].items()},
+                      "ring": {i: cp.empty(h.shape, h.dtype) for i, h in q["ring"].items()}}
+                     for q in parked.snapshots]
+        for q, h in zip(snaps, parked.snapshots):
+            for key in ("rec", "ring"):
+                for i, a in q[key].items():
+                    _to_device(h[key][i], a, sp)
+        d.stream.synchronize()
+        self._measured(parked.nbytes, time.perf_counter() - t0)
+        return snaps
 
 
 class MegakernelExecutor(GraphExecutor):

@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from host.errors import EmptyPrompt, EngineError, GenerationInterrupted, InvalidArgument, InvalidTokenId, PromptTooLong
-from host.executors import Executor, StepOutput
+from host.executors import Executor, ParkedState, StepOutput
 from host.generation import Delta, Generation, GenerationResult, Timings
 from host.reply import ReplyPlan, plan_reply
 from host.stops import StopMatcher
@@ -141,6 +141,7 @@ class Session:
         self._last: StepOutput | None = None  # output of the last processed token (valid when ids non-empty)
         self._outs: dict[int, StepOutput] = {}  # host-side outputs at checkpoint positions (see _checkpoint)
         self._pending = None                   # weakref to the last Generation made, until it ends
+        self._parked: ParkedState | None = None  # the state while parked in host memory (slot is then None)
         self._ex().reset(slot)
 
     def _ex(self) -> Executor:
@@ -156,16 +157,70 @@ class Session:
         return session_capacity(self.engine)
 
     def close(self) -> None:
-        """Give the slot back; the session can no longer be used (EngineError). Closing twice is a no-op."""
+        """Give the slot back (or drop the parked state); the session can no longer be used (EngineError).
+        Closing twice is a no-op."""
         if self.closed:
             return
         self.closed = True
-        self.engine._release_slot(self.slot)
+        if self._parked is not None:
+            self._parked = None
+        else:
+            self.engine._release_slot(self.slot)
 
     def _check_open(self) -> None:
         if self.closed:
             raise EngineError("this session is closed (its slot may belong to another session now); "
                               "open a new one with Engine.new_session()")
+        if self._parked is not None:
+            raise EngineError("this session is parked in host memory: unpark() it into a slot first")
+
+    # ------------------------------------------------------------------ parking (host memory)
+    @property
+    def parked(self) -> ParkedState | None:
+        """The ParkedState while the session is parked (``park()``), else None."""
+        return self._parked
+
+    def park(self) -> ParkedState:
+        """Move the session's whole state (the executor slot's and its checkpoints' snapshots) into host memory
+        (``Executor.park``) and give its slot back; ``ids``, checkpoint positions and the host-side outputs stay.
+        The output of the last token is kept when it is host logits (the cpu executors); a GPU executor's reads
+        device buffers that the next session reuses, so it is dropped (the same prompt again then re-runs its
+        last token). Returns the ParkedState (``nbytes``: host memory held). Raises EngineError when the session
+        is closed, parked or generating; NotImplementedError when the executor cannot park."""
+        self._check_idle()
+        ex = self._ex()
+        parked = ex.park([snap for _, snap in self.checkpoints])
+        self.checkpoints = [(p, None) for p, _ in self.checkpoints]
+        if type(self._last) is not StepOutput:
+            self._last = None
+        self._parked = parked
+        self.engine._release_slot(self.slot)
+        self.slot = None
+        return parked
+
+    def unpark(self) -> int:
+        """Put a parked session back into a free slot (``Executor.unpark``): it continues bit-identically to a
+        session never parked. Returns the slot. Raises EngineError when it is not parked, is closed, or no slot
+        is free (nothing changes then)."""
+        if self.closed:
+            self._check_open()
+        if self._parked is None:
+            raise EngineError("unpark: this session is not parked")
+        slot = self.engine._take_slot()
+        try:
+            snaps = self.engine.executor.unpark(self._parked, slot)
+        except BaseException:
+            self.engine._release_slot(slot)
+            raise
+        self.checkpoints = [(p, snap) for (p, _), snap in zip(self.checkpoints, snaps)]
+        self._parked, self.slot = None, slot
+        return slot
+
+    def _check_idle(self) -> None:
+        self._check_open()
+        prev = self._pending() if self._pending is not None else None
+        if prev is not None and prev._result is None and not prev._closed:
+            raise EngineError("this session is generating: finish or close() its Generation first")
 
     # ------------------------------------------------------------------ state bookkeeping
     def _rewind(self, pos: int) -> int:

@@ -95,13 +95,16 @@ def serve_app(app, sock: socket.socket, *, drain_timeout: float | None = 60.0, l
               help="Requests that may wait for the engine; one more is answered 429 with Retry-After.")
 @click.option("--sessions", type=click.IntRange(min=1), default=4, show_default=True,
               help="Sessions kept resident between requests (engine slots), evicted least recently used.")
+@click.option("--park-memory", type=click.FloatRange(min=0), default=None, metavar="GIB",
+              help="GiB of host memory evicted sessions may be parked in, when moving them back costs less than "
+                   "re-running their tokens (default 1/8 of physical memory; 0: never park).")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=60.0, show_default=True,
               help="Seconds SIGINT / SIGTERM wait for requests in flight before cancelling them.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="warning", show_default=True, help="uvicorn's log level (info: one line per request).")
 @handle_errors
-def command(host, port, max_model_len, served_model_name, api_key, max_queue, sessions, drain_timeout, log_level,
-            **kw):
+def command(host, port, max_model_len, served_model_name, api_key, max_queue, sessions, park_memory, drain_timeout,
+            log_level, **kw):
     """Serve the model over the OpenAI HTTP API (chat and completions, SSE streaming)."""
     check_model_args(kw)
     if kw["capacity"] is not None and max_model_len is not None and kw["capacity"] != max_model_len:
@@ -120,7 +123,8 @@ def command(host, port, max_model_len, served_model_name, api_key, max_queue, se
     name = served_model_name or kw["model_dir"] or kw["preset"] or DEFAULT_MODEL
     eng = Engine.load(kw["model_dir"] or kw["preset"], kw["executor"], capacity=max_model_len or kw["capacity"],
                       slots=sessions)
-    app = create_app(eng, served_model_name=name, api_key=api_key, max_queue=max_queue)
+    app = create_app(eng, served_model_name=name, api_key=api_key, max_queue=max_queue,
+                     park_memory=None if park_memory is None else int(park_memory * 2**30))
 
     def ready(h, p):
         shown = f"[{h}]" if ":" in h else h

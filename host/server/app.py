@@ -109,9 +109,10 @@ def _sse(obj) -> str:
 class Server:
     """What the routes share: the engine, its worker, the served name and the checkpoint's defaults."""
 
-    def __init__(self, engine, served_model_name: str, api_key: str | None, max_queue: int):
+    def __init__(self, engine, served_model_name: str, api_key: str | None, max_queue: int,
+                 park_memory: int | None = None):
         self.engine, self.name, self.api_key = engine, served_model_name, api_key
-        self.worker = Worker(engine, max_queue)
+        self.worker = Worker(engine, max_queue, park_memory)
         self.defaults = generation_defaults(engine.model_dir)
         self.capacity = session_capacity(engine)
         self.draining = False
@@ -224,10 +225,12 @@ def _lp_entries(d, stop_ids: set[int]) -> list:
 
 
 def create_app(engine, served_model_name: str = "qwen3.5-tiny-trained", api_key: str | None = None,
-               max_queue: int = 64) -> FastAPI:
+               max_queue: int = 64, park_memory: int | None = None) -> FastAPI:
     """The OpenAI-compatible app over ``engine`` (docs/server.md). ``api_key``: required as ``Authorization:
-    Bearer KEY`` on ``/v1/*`` when given; ``max_queue``: requests that may wait for the engine (then 429)."""
-    srv = Server(engine, served_model_name, api_key, max_queue)
+    Bearer KEY`` on ``/v1/*`` when given; ``max_queue``: requests that may wait for the engine (then 429);
+    ``park_memory``: host bytes evicted sessions may be parked in (None: 1/8 of physical memory; 0: never park;
+    ``host.server.pool.SessionPool``)."""
+    srv = Server(engine, served_model_name, api_key, max_queue, park_memory)
 
     @asynccontextmanager
     async def lifespan(app):

@@ -55,11 +55,12 @@ class Job:
 
 
 class Worker:
-    """Runs jobs on ``engine`` in one thread; at most ``max_queue`` waiting."""
+    """Runs jobs on ``engine`` in one thread; at most ``max_queue`` waiting. ``park_memory``: the session pool's
+    host-memory budget for parked sessions in bytes (None: its default; 0: never park; ``SessionPool``)."""
 
-    def __init__(self, engine, max_queue: int = 64):
+    def __init__(self, engine, max_queue: int = 64, park_memory: int | None = None):
         self.engine, self.max_queue = engine, max_queue
-        self.pool = SessionPool(engine)
+        self.pool = SessionPool(engine, park_memory)
         self._queue: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._stop = False
@@ -132,7 +133,9 @@ class Worker:
                     g.close()  # at a yield: the session's state holds exactly its ids
                     job.put("cancelled", None)
                     return
-            job.put("done", g.result())
+            res = g.result()
+            self.pool.observe(res.timings)
+            job.put("done", res)
         except EngineError as e:
             job.put("error", e)
         except Exception as e:  # noqa: BLE001 - a bug, not bad input: logged, answered 500, session dropped
