@@ -9,7 +9,8 @@ Rows (wall clock, host ``perf_counter`` around the whole call, the stream synchr
 * ``cold`` per length T: a fresh session (position 0), T random ids → the first generated token: Prefill over
   T − 1 ids, then the last id as the captured M = 1 decode step and its device argmax read back (TTFT);
   tokens/s = T / TTFT; ``profile_ms``: GPU milliseconds per category from CUDA events of a second, profiled run
-  (embed, norm, gemm, split = the in-projection's column copies, gdn, attn).
+  (embed, norm, gemm, split = the in-projection's column copies, the GDN kernels gdn_in / gdn_recur / gdn_out and
+  their total gdn, the attention stages attn_prep / attn_scores / attn_values / attn_reduce and their total attn).
 * ``append``: a 4,096-token session appended with 256 tokens → first token.
 * ``eager`` per short length: the same prompt as eager 8-row decode passes (the path Prefill replaces), and
   ``prefill`` at the same length: the crossover.
@@ -140,6 +141,8 @@ def main(argv=None):
         s = ttft(step, pre, ids)
         prof: dict = {}
         ttft(step, pre, ids, profile=prof)
+        for cat in ("gdn", "attn"):  # the mixers' totals beside their stages
+            prof[cat] = sum(v for k, v in prof.items() if k.startswith(cat + "_"))
         e = {"variant": "cold", "tokens": T, "ttft_s": round(s, 4), "tokens_per_s": round(T / s, 1),
              "profile_ms": {k: round(v, 2) for k, v in sorted(prof.items())}}
         if T in TARGETS_S:

@@ -144,8 +144,9 @@ class Prefill:
     def run(self, ids, profile: dict | None = None) -> None:
         """Prefill ``ids`` (int sequence, ≥ 1) at the step's position, in passes of ``chunk`` rows; enqueued on
         the step's stream (no host synchronisation except the position table's copy). ``profile``: a dict to
-        which the GPU milliseconds between CUDA events around each category (embed, norm, gemm, split, gdn,
-        attn) are added (benchmarks; it synchronises at the end of each chunk)."""
+        which the GPU milliseconds between CUDA events around each category (embed, norm, gemm, split, gdn_in,
+        gdn_recur, gdn_out, attn_prep, attn_scores, attn_values, attn_reduce) are added (benchmarks; it
+        synchronises at the end of each chunk)."""
         d = self.d
         ids = np.asarray(ids, np.int64).reshape(-1)
         if ids.size < 1:
@@ -191,13 +192,15 @@ class Prefill:
                     qkv, z = self.qkv[:C], self.z[:C]
                     qkv[...] = y[:, :c1]
                     z[...] = y[:, c1:c2]
-                    mark("gdn")
+                    mark("gdn_in")
                     w_a, w_b, a_log, dt_bias, conv_w, norm_w = ops["gdn"].w
                     nv, ntile = cfg.linear_num_value_heads, -(-C // MAX_ROWS)
                     self._k_gdn_in((ntile, nv), (512,), (qkv, z, xn, w_a, w_b, a_log, dt_bias, conv_w, norm_w,
                                                          d.ring[i], self.gdn_rows, i32(pos), i32(C)))
+                    mark("gdn_recur")
                     self._k_gdn_recur((nv, self._gdn_split), (self._gdn_rthreads,),
                                       (self.gdn_rows, d.rec[i], self.gdn_o, i32(C)))
+                    mark("gdn_out")
                     self._k_gdn_out((ntile, nv), (256,), (self.gdn_rows, self.gdn_o, o, i32(C)))
                     self._k_ring((min(C, CONV_RING),), (256,), (qkv, d.ring[i], i32(pos), i32(C)))
                 else:
@@ -205,8 +208,7 @@ class Prefill:
                     qg[...] = y[:, :c1]
                     k[...] = y[:, c1:c2]
                     v[...] = y[:, c2:]
-                    mark("attn")
-                    self._attention(ops, qg, k, v, o, C)
+                    self._attention(ops, qg, k, v, o, C, mark)
                 mark("gemm")
                 g["out"](o, xm, residual=x)
                 mark("norm")
@@ -221,7 +223,7 @@ class Prefill:
                 profile[cat] = profile.get(cat, 0.0) + cp.cuda.get_elapsed_time(a, b)
         d.advance(C)
 
-    def _attention(self, ops, qg, k, v, o, C: int) -> None:
+    def _attention(self, ops, qg, k, v, o, C: int, mark) -> None:
         """The decode attention stages over the chunk's 8-row tiles (tile t at positions pos+8t…): prep over all
         C rows (K/V of every row into the cache first: a tile reads only keys at or before its own rows), then per
         group of ``att_rows`` rows scores and values with grid z = tile (``qmk_attn_*_rows``: the decode device
@@ -233,6 +235,7 @@ class Prefill:
         tbl = d.sess.table
         p_qg, p_o, p_pos = qg.data.ptr, o.data.ptr, self.tile_pos.data.ptr
         b_qg, b_o, b_q = 2 * qg.shape[1], 2 * o.shape[1], 2 * nq * hd  # row bytes
+        mark("attn_prep")
         a.k_prep.raw((C, nq + nkv), (32,), (qg, k, v, a.q_norm_w, a.k_norm_w, a.inv_freq, tbl, ps, base, self.att_q,
                                            self.tile_pos))
         scores, sm, sl, part = self.att_scores, self.att_m, self.att_l, self.att_partial
@@ -240,6 +243,9 @@ class Prefill:
             R = min(self.att_rows, C - r0)
             grid = (a.parts, nkv, -(-R // MAX_ROWS))
             pq, pp, n = u64(self.att_q.data.ptr + r0 * b_q), u64(p_pos + 4 * (r0 // MAX_ROWS)), i32(R)
+            mark("attn_scores")
             self._k_att_scores(grid, (SCORE_THREADS,), (pq, base, tbl, ps, scores, cap, sm, sl, pp, n))
+            mark("attn_values")
             self._k_att_values(grid, (ATT_THREADS,), (base, tbl, ps, scores, cap, sm, sl, part, pp, n))
+            mark("attn_reduce")
             a.k_reduce.raw((R, nq), (hd,), (part, u64(p_qg + r0 * b_qg), u64(p_o + r0 * b_o), pp))
