@@ -91,6 +91,9 @@ class Executor(ABC):
     # host <-> slot copy rate in bytes/s that park / unpark are estimated at until one is measured (the server's
     # park-or-drop choice, host.server.pool); ``unpark`` replaces it with the rate it measures
     transfer_rate: float = 2e9
+    # longest prefill call a session makes (host.session.Session._prefill): the CPU paths build [T, V] logits per
+    # call; None: no bound (the GPU executors prefill any length in one call, the same bits for any split)
+    max_prefill_piece: int | None = 256
 
     def park(self, snapshots: Sequence = ()) -> ParkedState:
         """The selected slot's whole state and ``snapshots`` (this slot's ``state_snapshot()`` results) copied
@@ -490,6 +493,7 @@ class GraphExecutor(Executor):
     without a GPU."""
 
     name = "graph"
+    max_prefill_piece = None  # Prefill's fixed cost (≈ 64 ms per call at the 27B) is paid once per prompt
     transfer_rate = 2e10  # pinned host <-> H200 copies until one is measured (an estimate: PCIe Gen5 x16 peaks
     #                       at 64 GB/s each way)
 

@@ -27,7 +27,8 @@ from host.sampling import Sampler, SamplingParams, check_generation_args, token_
 from loader.config import FIRST_PADDING_ID, IM_START_ID
 
 CKPT_ALIGN = 64        # GDN prefill chunk: state checkpoints sit on multiples of it (article Part 5.4)
-PREFILL_PIECE = 256    # longest prefill call (a multiple of CKPT_ALIGN): bounds the [T, V] logits the CPU path makes
+PREFILL_PIECE = 256    # longest prefill call (a multiple of CKPT_ALIGN) unless the executor says otherwise
+                       # (Executor.max_prefill_piece: the CPU paths' [T, V] logits; None on the GPU executors)
 MAX_CHECKPOINTS = 8    # state snapshots kept per session (the newest)
 MAX_TOP_LOGPROBS = 20  # most alternatives per token ``logprobs=`` may ask for (OpenAI's top_logprobs limit)
 MAX_DRAFTS = 7         # speculative decoding: drafts per round at most (host.speculate.MAX_K)
@@ -240,17 +241,22 @@ class Session:
 
     def _prefill(self, new: list[int], marks: Sequence[int] = ()) -> int:
         """Run ``new`` after ``self.ids`` in pieces that start on multiples of 64 (after a first piece up to the
-        next one) and are at most PREFILL_PIECE long; snapshot the state at the last multiple of 64 reached and
-        at each position in ``marks`` (turn starts: a restart there is valid, though chunks are then anchored
-        off the 64 grid; a mark at the end keeps the end's output too, so the same prompt again runs nothing).
-        Returns the number of tokens run."""
+        next one) and are at most the executor's ``max_prefill_piece`` (PREFILL_PIECE by default) long, or, for
+        an executor without a bound (the GPU ones), in one piece up to each snapshot position; snapshot the state
+        at the last multiple of 64 reached and at each position in ``marks`` (turn starts: a restart there is
+        valid, though chunks are then anchored off the 64 grid; a mark at the end keeps the end's output too, so
+        the same prompt again runs nothing). Returns the number of tokens run."""
         ex = self._ex()
+        cap = getattr(ex, "max_prefill_piece", PREFILL_PIECE)
         start, end = len(self.ids), len(self.ids) + len(new)
         last_b = end // CKPT_ALIGN * CKPT_ALIGN
         stops = sorted({m for m in marks if start < m <= end} | ({last_b} if last_b > start else set()))
         while len(self.ids) < end:
             p = len(self.ids)
-            nxt = -(-p // CKPT_ALIGN) * CKPT_ALIGN if p % CKPT_ALIGN else p + PREFILL_PIECE
+            if cap is None:
+                nxt = end
+            else:
+                nxt = -(-p // CKPT_ALIGN) * CKPT_ALIGN if p % CKPT_ALIGN else p + cap
             nxt = min([nxt, end] + [m for m in stops if m > p])
             piece = new[p - start:nxt - start]
             out = ex.prefill(piece)
