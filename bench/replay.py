@@ -267,9 +267,10 @@ def main(argv=None) -> int:
                 run["accounting_problems"] = check_accounting(run)
                 runs.append(run)
                 tt = run["totals"]
-                print(f"{ex} {c} {t['name']}: {tt['wall_ms'] / 1e3:.2f} s (prefill {tt['prefill_ms'] / 1e3:.2f}, decode "
-                      f"{tt['decode_ms'] / 1e3:.2f}, host {tt['host_ms'] / 1e3:.2f}), prefilled {tt['prefilled_tokens']}"
-                      f", re-prefilled {tt['re_prefilled_tokens']}, ids match {tt['ids_match_steps']}/{tt['steps']}",
+                print(f"{ex} {c} {t['name']}: {tt['wall_ms'] / 1e3:.2f} s (prefill {tt['prefill_ms'] / 1e3:.2f}, "
+                      f"decode {tt['decode_ms'] / 1e3:.2f}, host {tt['host_ms'] / 1e3:.2f}), prefilled "
+                      f"{tt['prefilled_tokens']}, re-prefilled {tt['re_prefilled_tokens']}, ids match "
+                      f"{tt['ids_match_steps']}/{tt['steps']}",
                       file=sys.stderr, flush=True)
         del eng
         gc.collect()

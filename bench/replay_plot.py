@@ -20,7 +20,8 @@ def panels(docs: list[dict]) -> list[tuple[str, list[dict]]]:
     out = []
     for d in docs:
         for ex in dict.fromkeys(r["executor"] for r in d["runs"]):
-            out.append((f"{d['model']} · {ex} · {d['machine']} ({d['date'][:10]}, {d['commit'][:7] if d['commit'] else '?'})",
+            sha = (d["commit"] or "?")[:7]
+            out.append((f"{d['model']} · {ex} · {d['machine']} ({d['date'][:10]}, {sha})",
                         [r for r in d["runs"] if r["executor"] == ex]))
     return out
 

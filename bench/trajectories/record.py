@@ -1,7 +1,8 @@
 """Record agent trajectories: the trained small model is the agent against the local tools (``tools``).
 
 ``python3 -m bench.trajectories.record [--targets 1536,3072,6144,12288] [--seed 0] [--max-new-tokens 64]
-[--max-steps 24] [--out bench/fixtures/trajectories.json.gz]``; ``... record merge A B ... --out F`` joins files.
+[--max-steps 24] [--paste-max 3000] [--executor cpu] [--out bench/fixtures/trajectories.json.gz]``;
+``... record merge A B ... --out F`` joins files (trajectories renamed ``t<rank>_<target>`` by target).
 
 Each trajectory: a system prompt with the seven training tools (``tools.train.conversations.ALL_TOOLS``) rendered by
 the checkpoint's chat template, a first user task, then steps. A step generates the model's reply (greedy, the tool
@@ -192,7 +193,9 @@ def main(argv=None) -> int:
         ap.add_argument("--out", default=str(FIXTURE))
         a = ap.parse_args(argv[1:])
         docs = [load(f) for f in a.files]
-        trajs = sorted((t for d in docs for t in d["trajectories"]), key=lambda t: t["context"])
+        trajs = sorted((t for d in docs for t in d["trajectories"]), key=lambda t: t["target"])
+        for k, t in enumerate(trajs):  # names by rank of target: t0 the shortest
+            t["name"] = f"t{k}_{t['target']}"
         write(Path(a.out), {"meta": {**docs[0]["meta"], "merged_from": [d["meta"] for d in docs]},
                             "trajectories": trajs})
         print(f"{a.out}: {len(trajs)} trajectories, {os.path.getsize(a.out)} bytes")
@@ -203,19 +206,23 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--max-steps", type=int, default=24)
     ap.add_argument("--paste-max", type=int, default=PASTE_TOKENS[1], help="most tokens of one pasted stretch")
+    ap.add_argument("--executor", default="cpu", help="cpu (default), or graph / megakernel on a GPU: recorded ids "
+                    "are the truth whichever executor made them (a long trajectory takes minutes on the GPU, an hour "
+                    "on a 2-core CPU)")
     ap.add_argument("--out", default=str(FIXTURE))
     a = ap.parse_args(argv)
     from host.engine import Engine
     from tools.train.conversations import STDLIB
 
     targets = [int(x) for x in a.targets.split(",")]
-    eng = Engine.load(executor="cpu", capacity=max(targets) + 4 * 4096, slots=1, quiet=True)
+    eng = Engine.load(executor=a.executor, capacity=max(targets) + 4 * 4096, slots=1, quiet=True)
     from tools.train.conversations import ALL_TOOLS
     _check_turns(eng, ALL_TOOLS)
     meta = {"model": eng.model_dir.name, "executor": eng.executor.name, "commit": commit(), "seed": a.seed,
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "machine": cpu_name(),
             "command": "python3 -m bench.trajectories.record " + " ".join(argv), "max_new_tokens": a.max_new_tokens,
-            "max_steps": a.max_steps, "paste_max": a.paste_max, "tool_tree": str(STDLIB), "python": platform.python_version(),
+            "max_steps": a.max_steps, "paste_max": a.paste_max, "tool_tree": str(STDLIB),
+            "python": platform.python_version(),
             "sampling": "greedy; tool grammar on (tool_choice auto); EOS stops"}
     trajs = []
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
