@@ -24,7 +24,8 @@ session: the appended ids and the previous reply's last id), generated vs record
 prefill, decode and host ms (host = wall - prefill - decode: argument checks, grammar set-up, session open,
 result assembly), decode ms per token, tokens per round, grammar mask ms. Totals per trajectory and config, and the
 residency speed-up (stateless / resident wall time, per trajectory and over the trajectories both ran). Writes
-``bench/results/e2e/replay_<model>_<where>.json`` (or ``--out``).
+``bench/results/e2e/replay_<model>_<where>.json`` (or ``--out``) after every run (``complete`` false until the
+last), so a run cut by a timeout keeps what it measured.
 """
 from __future__ import annotations
 
@@ -253,6 +254,25 @@ def main(argv=None) -> int:
     t_run = time.perf_counter()
     runs, engines = [], []
     cap = max(t["context"] for t in trajs) + 64
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    machine = _machine(where)
+
+    def write(complete: bool) -> Path:
+        """The result file as it stands (after every run: a run cut by a timeout keeps what it measured)."""
+        model = engines[0]["model"]
+        doc = {"benchmark": "replay", "model": model, "where": where, "complete": complete,
+               "machine": machine, "nproc": os.cpu_count(), "loadavg_before": [round(x, 2) for x in load0],
+               "loadavg_after": [round(x, 2) for x in os.getloadavg()], "commit": commit(),
+               "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+               "command": "python3 -m bench.replay " + " ".join(argv),
+               "fixture": {"path": str(a.fixture or FIXTURE.name), "meta": fix["meta"]},
+               "configs": {c: dict(zip(("resident", "grammar", "speculate"), CONFIGS[c])) for c in configs},
+               "config_max_context": limits, "history": a.history, "engines": engines, "estimate_s": round(est, 1),
+               "run_s": round(time.perf_counter() - t_run, 1), "residency_speedup": speedups(runs), "runs": runs}
+        p = Path(a.out) / f"replay_{model}_{where}.json"
+        p.write_text(json.dumps(doc, indent=1) + "\n")
+        return p
+
     for ex in executors:
         t0 = time.perf_counter()
         eng = Engine.load(a.preset or a.model, executor=ex, capacity=cap, slots=2, quiet=True)
@@ -266,28 +286,16 @@ def main(argv=None) -> int:
                 run["executor"] = eng.executor.name
                 run["accounting_problems"] = check_accounting(run)
                 runs.append(run)
+                write(False)
                 tt = run["totals"]
                 print(f"{ex} {c} {t['name']}: {tt['wall_ms'] / 1e3:.2f} s (prefill {tt['prefill_ms'] / 1e3:.2f}, "
                       f"decode {tt['decode_ms'] / 1e3:.2f}, host {tt['host_ms'] / 1e3:.2f}), prefilled "
                       f"{tt['prefilled_tokens']}, re-prefilled {tt['re_prefilled_tokens']}, ids match "
-                      f"{tt['ids_match_steps']}/{tt['steps']}",
-                      file=sys.stderr, flush=True)
+                      f"{tt['ids_match_steps']}/{tt['steps']}", file=sys.stderr, flush=True)
         del eng
         gc.collect()
-    model = engines[0]["model"]
-    doc = {"benchmark": "replay", "model": model, "where": where,
-           "machine": _machine(where), "nproc": os.cpu_count(), "loadavg_before": [round(x, 2) for x in load0],
-           "loadavg_after": [round(x, 2) for x in os.getloadavg()], "commit": commit(),
-           "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": "python3 -m bench.replay "
-           + " ".join(argv), "fixture": {"path": str(a.fixture or FIXTURE.name), "meta": fix["meta"]},
-           "configs": {c: dict(zip(("resident", "grammar", "speculate"), CONFIGS[c])) for c in configs},
-           "config_max_context": limits, "history": a.history,
-           "engines": engines, "estimate_s": round(est, 1), "run_s": round(time.perf_counter() - t_run, 1),
-           "residency_speedup": speedups(runs), "runs": runs}
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    p = Path(a.out) / f"replay_{model}_{where}.json"
-    p.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {p}; residency speed-up {json.dumps(doc['residency_speedup'])}", file=sys.stderr)
+    p = write(True)
+    print(f"wrote {p}; residency speed-up {json.dumps(speedups(runs))}", file=sys.stderr)
     return 0
 
 
