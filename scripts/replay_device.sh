@@ -11,7 +11,7 @@
 #            replay generated (--history generated: synthetic weights never reproduce the recording).
 #   trained: the trained small model, graph and megakernel, every trajectory, real grammar; stateless up to 6.4k,
 #            speculate (off on the GPU: the JSON says why) on the shortest.
-# Each part is cut by `timeout` (QMK_RECORD_S 100, QMK_REPLAY_27B_S 240, QMK_REPLAY_TRAINED_S 150); the replay
+# Each part is cut by `timeout` (QMK_RECORD_S 120, QMK_REPLAY_27B_S 240, QMK_REPLAY_TRAINED_S 150); the replay
 # writes $OUT/replay_<model>_h200.json after every run, so a cut run keeps what it measured ("complete": false).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +30,7 @@ status=0
 for p in "${parts[@]}"; do
     case "$p" in
     record)
-        timeout "${QMK_RECORD_S:-100}" python3 -m bench.trajectories.record --executor graph --targets 32768 \
+        timeout "${QMK_RECORD_S:-120}" python3 -m bench.trajectories.record --executor graph --targets 32768 \
             --paste-max 6000 --max-steps 30 --seed 1 --out "$OUT/long.json.gz" > "$OUT/record.log" 2>&1
         rc=$?; echo "record: exit $rc"; tail -n 4 "$OUT/record.log"
         if (( rc == 0 )) && python3 -m bench.trajectories.record merge "$fixture" "$OUT/long.json.gz" \
