@@ -1,7 +1,7 @@
 """Host side of the megakernel (``megakernel/megakernel.cu``): builds the program for the SM count with the
 assembler, uploads the program / counter / buffer / weight tables (device pointers taken from a
-``discrete.step.DecodeStep``, so both paths read and write the same activations, state, KV pages and control
-block), checks occupancy (exactly one block per SM), launches cooperatively, and drives the persistent mode.
+``discrete.step.DecodeStep``'s weights and ops and its ``discrete.device_state.DeviceState``, so both paths read
+and write the same activations, state, KV pages and control block), checks occupancy (exactly one block per SM), launches cooperatively, and drives the persistent mode.
 
 Knobs (STYLE.md habit 9): ``layer_limit`` (program of the first L layers + head), ``stop_after`` (run only the
 instructions of stages ≤ N: every wait points at an earlier stage, so the prefix is deadlock-free; one step),
@@ -245,7 +245,8 @@ def _load(cfg: ModelConfig, timing: bool, extra: dict | None = None, fuse_reduce
 
 
 class Megakernel:
-    """The megakernel bound to one ``DecodeStep`` (its weights, arena, state, KV pages and control block).
+    """The megakernel bound to one ``DecodeStep``: its weights, its ops' scratch (attention, argmax ids) and its
+    ``DeviceState`` (``self.state``: arena, recurrent state, KV pages, control block, stream, position).
 
     ``num_sms``: blocks (default: the device's SM count); ``m_rows``: rows per step (default the step's m);
     ``layer_limit``, ``stop_after``, ``nop``, ``timing``, ``drop_wait``, ``delay_op``/``delay_ns``: see the
@@ -261,7 +262,7 @@ class Megakernel:
                  gdn_split: int | None = None, defines: dict | None = None, fuse_reduce: bool = DEFAULT_FUSE,
                  defer_reduce: bool | None = None, local_reduce: bool = DEFAULT_LOCAL):
         import cupy as cp
-        self.ds, self.cfg = decode_step, decode_step.cfg
+        self.ds, self.state, self.cfg = decode_step, decode_step.state, decode_step.cfg
         cfg = self.cfg
         dev = cp.cuda.Device()
         self.num_sms = int(num_sms or dev.attributes["MultiProcessorCount"])
@@ -323,10 +324,7 @@ class Megakernel:
 
     # ------------------------------------------------------------------ tables
     def _attn(self):
-        for ops in self.ds.layer_ops:
-            if "attn" in ops:
-                return ops["attn"]
-        return None
+        return self.ds.attention
 
     def _buffer_table(self) -> np.ndarray:
         """uint64 [n_buffers]: the DecodeStep's arena views for activations, its control-block tokens / argmax
@@ -335,11 +333,11 @@ class Megakernel:
         uint32 [N / 16] (isa.py FUSE_REDUCE), zeroed here once: every step's last arrival of a tile resets its
         counter, so they are 0 again at every step boundary (and across launches)."""
         import cupy as cp
-        ds, cfg = self.ds, self.cfg
+        ds, st, cfg = self.ds, self.state, self.cfg
         out = np.zeros(len(self.program.buffers), np.uint64)
         for i, b in enumerate(self.program.buffers):
             if b.kind == "act":
-                a = ds.buf.get(b.name)
+                a = st.buf.get(b.name)
                 if a is None:  # e.g. logits without debug_logits
                     a = cp.empty((MAX_ROWS,) + b.shape[1:], cp.uint16 if b.dtype == "bf16" else cp.int32)
                     self._keep.append(a)
@@ -364,11 +362,11 @@ class Megakernel:
                 self._arrive.append(raw[4 * n:].view(cp.uint32))
                 out[i] = a.data.ptr
             elif b.name == "tokens":
-                out[i] = ds.tokens_dev.data.ptr
+                out[i] = st.tokens_dev.data.ptr
             elif b.name == "next":
-                out[i] = ds.head_bufs["ids"].data.ptr
+                out[i] = ds.next_ids.data.ptr
             elif b.name == "hidden.out":  # the head's normalised input: the step's final-normed hidden
-                out[i] = ds.buf["hn"].data.ptr
+                out[i] = st.buf["hn"].data.ptr
             elif b.kind == "io":  # an io buffer this runner does not know: our own, so the program still runs
                 a = cp.empty((MAX_ROWS,) + b.shape[1:], cp.uint16 if b.dtype == "bf16" else cp.int32)
                 self._keep.append(a)
@@ -377,18 +375,18 @@ class Megakernel:
                 kind, layer = b.name.split(".")
                 layer = int(layer)
                 if kind == "conv":
-                    out[i] = ds.ring[layer].data.ptr
+                    out[i] = st.ring[layer].data.ptr
                 elif kind == "rec":
-                    out[i] = ds.rec[layer].data.ptr
+                    out[i] = st.rec[layer].data.ptr
                 else:  # kcache / vcache: the layer's base in the page pool (K and V addressed from it)
-                    out[i] = ds.kv.layer_base(cfg.full_layers.index(layer))
+                    out[i] = st.kv.layer_base(cfg.full_layers.index(layer))
             else:
                 raise ValueError(f"Megakernel: no device buffer for program buffer {b.name} ({b.kind})")
         return out
 
     def _weight_table(self) -> np.ndarray:
         """WEIGHT_DTYPE [n_weights]: segment views into the fused projections of WeightsGPU, and norm vectors."""
-        W, cfg = self.ds.w, self.cfg
+        W, cfg = self.ds.weights, self.cfg
         vecs = {"model.norm.weight": W.final_norm, "lm_head.weight": W.lm_head}
         projs = []
         for i, L in enumerate(W.layers):
@@ -419,7 +417,7 @@ class Megakernel:
         return t
 
     def _layer_table(self) -> np.ndarray:
-        W = self.ds.w
+        W = self.ds.weights
         t = np.zeros(len(W.layers), LAYER_DTYPE)
         for i, L in enumerate(W.layers):
             keys = ("q_norm", "k_norm") if self.cfg.layer_types[i] == FULL else ("a", "b", "A_log", "dt_bias", "conv_w", "norm")
@@ -429,14 +427,14 @@ class Megakernel:
 
     def _fill_params(self, delay_op: int, delay_ns: int) -> None:
         import cupy as cp
-        ds, p = self.ds, self.params
+        st, p = self.state, self.params
         att = self._attn()
         p["prog"], p["lens"], p["counters"] = self.d_prog.data.ptr, self.d_lens.data.ptr, self.counters.data.ptr
         p["bufs"], p["weights"], p["layers"] = self.d_bufs.data.ptr, self.d_weights.data.ptr, self.d_layers.data.ptr
-        p["embed"], p["ctrl"] = ds.w.embed.data.ptr, ds.ctrl.data.ptr
+        p["embed"], p["ctrl"] = self.ds.weights.embed.data.ptr, st.ctrl.data.ptr
         if att is not None:
             p["inv_freq"], p["att_cap"] = att.inv_freq.data.ptr, att.capacity
-        p["page_table"], p["page_stride"] = ds.sess.table.data.ptr, ds.kv.page_stride
+        p["page_table"], p["page_stride"] = st.sess.table.data.ptr, st.kv.page_stride
         p["host"], p["mirror"] = self._host_ptr, self.mirror.data.ptr
         p["timing"] = 0 if self.d_timing is None else self.d_timing.data.ptr
         p["keys"] = self.d_keys.data.ptr
@@ -454,8 +452,7 @@ class Megakernel:
 
     def _advance(self, n: int) -> None:
         self.steps_done += n
-        self.ds.pos += n * self.m
-        self.ds.last_m = self.m
+        self.state.note_steps(n, self.m)
 
     def step(self, tokens=None) -> None:
         """One step (one launch) on the DecodeStep's stream. ``tokens``: the rows' input ids (exactly m_rows),
@@ -469,11 +466,12 @@ class Megakernel:
             raise ValueError(f"Megakernel.run_steps: n={n} must be ≥ 1")
         if self.stop_after is not None and n > 1:
             raise ValueError("Megakernel.run_steps: stop_after runs a single step (the next embed waits on the argmax)")
-        if tokens is not None and self.ds._set_tokens(tokens) != self.m:
+        st = self.state
+        if tokens is not None and st.set_tokens(tokens) != self.m:
             raise ValueError(f"Megakernel: the program runs {self.m} rows; got {len(tokens)} tokens")
-        if self.ds.pos + n * self.m > self.ds.capacity:
-            raise ValueError(f"Megakernel: {n} steps of {self.m} rows from {self.ds.pos} exceed capacity {self.ds.capacity}")
-        self._launch(n, False, self.ds.stream)
+        if st.pos + n * self.m > st.capacity:
+            raise ValueError(f"Megakernel: {n} steps of {self.m} rows from {st.pos} exceed capacity {st.capacity}")
+        self._launch(n, False, st.stream)
         self._advance(n if self.stop_after is None else 0)
 
     def check(self, timeout_s: float = 20.0) -> None:
@@ -482,7 +480,7 @@ class Megakernel:
         import time
         import cupy as cp
         ev = cp.cuda.Event()
-        ev.record(self.ds.stream)
+        ev.record(self.state.stream)
         t0 = time.perf_counter()
         while not ev.done:
             if time.perf_counter() - t0 > timeout_s:
@@ -508,7 +506,7 @@ class Megakernel:
     def arrivals_pending(self) -> int:
         """Nonzero fused-reduce tile arrival counters (0 at every step boundary: each tile's last arrival resets its
         counter; tests check it)."""
-        self.ds.stream.synchronize()
+        self.state.stream.synchronize()
         return int(sum(int((a != 0).sum()) for a in self._arrive))
 
     def counter_values(self) -> np.ndarray:
@@ -517,7 +515,7 @@ class Megakernel:
 
     def poison(self) -> None:
         """NaN-fill the megakernel's own scratch (split-K partials, own logits) on the step's stream."""
-        with self.ds.stream:
+        with self.state.stream:
             for a in self._keep:
                 if a.dtype == np.float32:
                     a.fill(np.nan)
@@ -532,21 +530,19 @@ class Megakernel:
             raise RuntimeError("Megakernel: persistent mode already running")
         self.host[0] = self.host[1] = self.host[2] = 0
         self.host[3] = 0xFFFFFFFF
-        self.ds.stream.synchronize()
+        self.state.stream.synchronize()
         self.mirror.fill(0)
-        from discrete.control import CONTROL_DTYPE
-        go = CONTROL_DTYPE.fields["go"][1] // 4
-        self.ds.ctrl[go:go + 1].fill(0)  # the grid's mirror of the host's go count (counts from 0 per launch)
+        self.state.ctrl_words("go").fill(0)  # the grid's mirror of the host's go count (counts from 0 per launch)
         cp.cuda.Device().synchronize()
         self._released = 0
-        self._ctrl0 = int(self.ds.control()["step"])
+        self._ctrl0 = int(self.state.control()["step"])
         self.persistent_stream = cp.cuda.Stream(non_blocking=True)
         self._launch(0, True, self.persistent_stream)
 
     def release(self, n: int = 1) -> None:
         """Let the resident grid run ``n`` more greedy steps."""
-        if self.ds.pos + n * self.m > self.ds.capacity:
-            raise ValueError(f"Megakernel.release: {n} more steps exceed capacity {self.ds.capacity}")
+        if self.state.pos + n * self.m > self.state.capacity:
+            raise ValueError(f"Megakernel.release: {n} more steps exceed capacity {self.state.capacity}")
         self._released += n
         self.host[0] = self._released
         self._advance(n)
@@ -594,25 +590,26 @@ def compare_steps(a, b, program, m: int):
     """First bit difference between two DecodeSteps over every buffer ``program`` writes, in graph order:
     activations [m rows] (bf16 / int32 bits), argmax ids, GDN recurrent state (fp32 bits) and conv rings, then
     the KV page pools. Returns None, or (buffer, layer or None, flat index, value a, value b, count)."""
-    a.stream.synchronize()
-    b.stream.synchronize()
+    sa, sb = a.state, b.state
+    sa.stream.synchronize()
+    sb.stream.synchronize()
     for name, buf in program.graph.buffers.items():
         if buf.kind == "act":
-            x, y = a.buf[name][:m].get(), b.buf[name][:m].get()
+            x, y = sa.buf[name][:m].get(), sb.buf[name][:m].get()
         elif name == "next":
-            x, y = a.head_bufs["ids"][:m].get(), b.head_bufs["ids"][:m].get()
+            x, y = a.next_ids[:m].get(), b.next_ids[:m].get()
         elif name == "hidden.out":
-            x, y = a.buf["hn"][:m].get(), b.buf["hn"][:m].get()
+            x, y = sa.buf["hn"][:m].get(), sb.buf["hn"][:m].get()
         elif buf.kind == "state" and name.startswith(("rec.", "conv.")):
             i = _layer_of(name)
-            x, y = ((a.rec[i].get().view(np.uint32), b.rec[i].get().view(np.uint32)) if name.startswith("rec.")
-                    else (a.ring[i].get(), b.ring[i].get()))
+            x, y = ((sa.rec[i].get().view(np.uint32), sb.rec[i].get().view(np.uint32)) if name.startswith("rec.")
+                    else (sa.ring[i].get(), sb.ring[i].get()))
         else:
             continue
         d = np.flatnonzero(x.reshape(-1) != y.reshape(-1))
         if d.size:
             return name, _layer_of(name), int(d[0]), int(x.reshape(-1)[d[0]]), int(y.reshape(-1)[d[0]]), int(d.size)
-    pa, pb = a.kv.pool.get(), b.kv.pool.get()
+    pa, pb = sa.kv.pool.get(), sb.kv.pool.get()
     d = np.flatnonzero(pa.reshape(-1) != pb.reshape(-1))
     if d.size:
         idx = np.unravel_index(d[0], pa.shape)  # [page, attn layer, k|v, kv head, slot, dim]
@@ -627,7 +624,7 @@ def warm_jobs(preset: str) -> list[tuple]:
     compiles, with the defines their launchers pass (a mismatch only costs a cache miss later)."""
     from discrete import attention, gdn
     from discrete.lm_head import DEFAULT_DEFINES, TOPK
-    from discrete.step import control_defines
+    from discrete.device_state import control_defines
     from loader.config import preset as get_preset
     cfg = get_preset(preset)
     mk = [(preset, [str(SOURCE)], {"fuse_reduce": f, "timing": t, "m1": m1}, True)
