@@ -33,7 +33,6 @@ from assembler.numerics import MAX_ROWS
 from discrete.build import load_module
 from discrete.gdn import CONV_RING, module as gdn_module
 from discrete.gemm import Gemm
-from discrete.launch import kernels
 from discrete.attention import SCORE_THREADS, THREADS as ATT_THREADS
 from discrete.device_state import control_defines
 from loader.config import FIRST_PADDING_ID
