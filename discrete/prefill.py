@@ -38,8 +38,8 @@ from assembler.numerics import MAX_ROWS, attn_partitions
 from discrete.attention import SCORE_THREADS, THREADS as ATT_THREADS, module as attn_module
 from discrete.build import load_module
 from discrete.gdn import CONV_RING, module as gdn_module
+from discrete.device_state import control_defines
 from discrete.gemm import Gemm
-from discrete.step import control_defines
 from loader.config import FIRST_PADDING_ID
 
 DEFAULT_CHUNK = 2048  # rows per prefill launch sequence (GEMM M); scratch ≈ 0.35 GB at the 27B's shapes
@@ -47,8 +47,8 @@ ATT_SCRATCH_BYTES = 512 << 20  # attention scratch of one group of tiles (scores
 
 
 class Prefill:
-    """Chunked GPU prefill bound to a :class:`discrete.step.DecodeStep` (its weights, GDN state, conv rings, KV
-    session and stream).
+    """Chunked GPU prefill bound to a :class:`discrete.step.DecodeStep`: its weights and ops, and its
+    :class:`discrete.device_state.DeviceState` (GDN state, conv rings, KV session, stream, position).
 
     ``chunk``: rows per pass (a multiple of 8, ≥ 8); larger chunks run the projection GEMMs at larger M.
     ``att_rows``: rows per attention launch group (a multiple of 8; None: as many as ``ATT_SCRATCH_BYTES`` holds
@@ -63,8 +63,8 @@ class Prefill:
             raise ValueError(f"Prefill: chunk={chunk}; expected a positive multiple of {MAX_ROWS}")
         if att_rows is not None and (int(att_rows) < MAX_ROWS or int(att_rows) % MAX_ROWS):
             raise ValueError(f"Prefill: att_rows={att_rows}; expected a positive multiple of {MAX_ROWS}")
-        self.d, self.chunk = dstep, chunk
-        cfg, W, g = dstep.cfg, dstep.w, dstep.graph
+        self.d, self.st, self.chunk = dstep, dstep.state, chunk
+        cfg, W, g = dstep.cfg, dstep.w, dstep.state.graph
         self.cfg = cfg
         H = cfg.hidden_size
         fin = load_module(cfg, ("finish.cu",), control_defines())
@@ -129,7 +129,7 @@ class Prefill:
 
     def poison(self) -> None:
         """Fill the scratch with NaN bit patterns (tests: a row read before it is written shows up)."""
-        with self.d.stream:
+        with self.st.stream:
             for a in (self.x, self.xn, self.xm, self.y, self.qkv, self.z, self.qg, self.k, self.v, self.o, self.act):
                 a.fill(0x7FC1)
             for a in ("gdn_rows", "gdn_o"):
@@ -147,35 +147,35 @@ class Prefill:
         which the GPU milliseconds between CUDA events around each category (embed, norm, gemm, split, gdn_in,
         gdn_recur, gdn_out, attn_prep, attn_scores, attn_values, attn_reduce) are added (benchmarks; it
         synchronises at the end of each chunk)."""
-        d = self.d
+        st = self.st
         ids = np.asarray(ids, np.int64).reshape(-1)
         if ids.size < 1:
             raise ValueError("Prefill.run: no ids")
         if ids.min() < 0 or ids.max() >= FIRST_PADDING_ID:
             raise ValueError(f"Prefill.run: token ids must lie in [0, {FIRST_PADDING_ID})")
-        if d.pos + ids.size > d.capacity:
-            raise ValueError(f"Prefill.run: positions {d.pos}..{d.pos + ids.size - 1} exceed capacity {d.capacity}")
+        if st.pos + ids.size > st.capacity:
+            raise ValueError(f"Prefill.run: positions {st.pos}..{st.pos + ids.size - 1} exceed capacity {st.capacity}")
         for s in range(0, ids.size, self.chunk):
             self._chunk(ids[s:s + self.chunk], profile)
 
     def _chunk(self, ids: np.ndarray, profile: dict | None) -> None:
         import cupy as cp
-        d, cfg, W = self.d, self.cfg, self.d.w
+        d, st, cfg, W = self.d, self.st, self.cfg, self.d.w
         marks: list = []
 
         def mark(cat: str) -> None:  # the span from this event to the next one belongs to ``cat``
             if profile is not None:
                 e = cp.cuda.Event()
-                e.record(d.stream)
+                e.record(st.stream)
                 marks.append((cat, e))
 
-        C, pos, H = int(ids.size), int(d.pos), cfg.hidden_size
+        C, pos, H = int(ids.size), int(st.pos), cfg.hidden_size
         i32 = np.int32
         x, xn, xm = self.x[:C], self.xn[:C], self.xm[:C]
-        with d.stream:
-            self.ids[:C].set(ids.astype(np.int32), stream=d.stream)
+        with st.stream:
+            self.ids[:C].set(ids.astype(np.int32), stream=st.stream)
             ntile = -(-C // MAX_ROWS)
-            self.tile_pos[:ntile].set((pos + MAX_ROWS * np.arange(ntile)).astype(np.int32), stream=d.stream)
+            self.tile_pos[:ntile].set((pos + MAX_ROWS * np.arange(ntile)).astype(np.int32), stream=st.stream)
             mark("embed")
             d.embed._fn((C,), (256,), (d.embed.table, self.ids, i32(d.embed.H), i32(d.embed.V), x))
             for i, (L, ops, g) in enumerate(zip(W.layers, d.layer_ops, self.gemm)):
@@ -196,13 +196,13 @@ class Prefill:
                     w_a, w_b, a_log, dt_bias, conv_w, norm_w = ops["gdn"].w
                     nv, ntile = cfg.linear_num_value_heads, -(-C // MAX_ROWS)
                     self._k_gdn_in((ntile, nv), (512,), (qkv, z, xn, w_a, w_b, a_log, dt_bias, conv_w, norm_w,
-                                                         d.ring[i], self.gdn_rows, i32(pos), i32(C)))
+                                                         st.ring[i], self.gdn_rows, i32(pos), i32(C)))
                     mark("gdn_recur")
                     self._k_gdn_recur((nv, self._gdn_split), (self._gdn_rthreads,),
-                                      (self.gdn_rows, d.rec[i], self.gdn_o, i32(C)))
+                                      (self.gdn_rows, st.rec[i], self.gdn_o, i32(C)))
                     mark("gdn_out")
                     self._k_gdn_out((ntile, nv), (256,), (self.gdn_rows, self.gdn_o, o, i32(C)))
-                    self._k_ring((min(C, CONV_RING),), (256,), (qkv, d.ring[i], i32(pos), i32(C)))
+                    self._k_ring((min(C, CONV_RING),), (256,), (qkv, st.ring[i], i32(pos), i32(C)))
                 else:
                     qg, k, v = self.qg[:C], self.k[:C], self.v[:C]
                     qg[...] = y[:, :c1]
@@ -221,18 +221,18 @@ class Prefill:
             marks[-1][1].synchronize()
             for (cat, a), (_, b) in zip(marks, marks[1:]):
                 profile[cat] = profile.get(cat, 0.0) + cp.cuda.get_elapsed_time(a, b)
-        d.advance(C)
+        st.advance(C)
 
     def _attention(self, ops, qg, k, v, o, C: int, mark) -> None:
         """The decode attention stages over the chunk's 8-row tiles (tile t at positions pos+8t…): prep over all
         C rows (K/V of every row into the cache first: a tile reads only keys at or before its own rows), then per
         group of ``att_rows`` rows scores and values with grid z = tile (``qmk_attn_*_rows``: the decode device
         functions on the tile's slices) and reduce. The operands were checked once, so launches pass raw pointers."""
-        d, a, cfg = self.d, ops["attn"], self.cfg
+        st, a, cfg = self.st, ops["attn"], self.cfg
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         u64, i32 = np.uint64, np.int32
-        base, ps, cap = u64(d.kv.layer_base(ops["attn_layer"])), np.int64(d.kv.page_stride), i32(a.capacity)
-        tbl = d.sess.table
+        base, ps, cap = u64(st.kv.layer_base(ops["attn_layer"])), np.int64(st.kv.page_stride), i32(a.capacity)
+        tbl = st.sess.table
         p_qg, p_o, p_pos = qg.data.ptr, o.data.ptr, self.tile_pos.data.ptr
         b_qg, b_o, b_q = 2 * qg.shape[1], 2 * o.shape[1], 2 * nq * hd  # row bytes
         mark("attn_prep")

@@ -13,9 +13,11 @@ memory with the standalone kernel's device function, block 0 stores ``xn.{i}`` /
 readers), so the bits and every buffer equal the ``fuse_norm=False`` form (a separate 1-block norm kernel).
 The final norm stays a separate kernel (the lm_head has its own kernel, ~1,940 blocks).
 
-Everything is allocated in the constructor: weights (given), one activation arena (every activation buffer of
-``verify_graph(cfg, 8)`` plus the normed inputs), one split-K scratch, GDN state + conv rings, paged KV (all
-pages of ``capacity`` reserved), control block, lm_head buffers, logits only with ``debug_logits``.
+Everything is allocated in the constructor: weights (given); the session's device memory and control block as
+one :class:`discrete.device_state.DeviceState` (``self.state``: one activation arena with every activation buffer
+of ``verify_graph(cfg, 8)`` plus the normed inputs, one split-K scratch, GDN state + conv rings, paged KV with all
+pages of ``capacity`` reserved, control block, logits only with ``debug_logits``), which the megakernel and the
+prefill bind too; then the ops' own scratch (lm_head buffers, attention scratch).
 
 ``pdl`` (Programmatic Dependent Launch, ``discrete/launch.py``): the kernels of the chosen launch categories go
 through ``cuLaunchKernelEx`` with programmatic stream serialization, so each may be scheduled while its
@@ -26,21 +28,21 @@ from __future__ import annotations
 
 import copy
 
+import ml_dtypes
 import numpy as np
 
-from assembler.graph import verify_graph
 from assembler.numerics import MAX_ROWS
 from discrete.attention import AttnDecode
 from discrete.build import load_module
-from discrete.control import CONTROL_DTYPE, MAX_EOS, new_control
-from discrete.gdn import CONV_RING, GdnDecode, ring_to_ref, state_to_ref
+from discrete.device_state import POISON, DeviceState, control_defines
+from discrete.gdn import GdnDecode, ring_to_ref, state_to_ref
 from discrete.gemv import NULL, Gemv
-from discrete.kv_cache import PagedKVCache
 from discrete.launch import kernels
 from discrete.lm_head import Embed, LmHead
-from loader.config import FIRST_PADDING_ID, FULL, ModelConfig
+from loader.config import FULL, ModelConfig
 
-POISON = 0x7FC1  # a bf16 NaN pattern for activation buffers (tests)
+__all__ = ["CATEGORIES", "GEMV_CATEGORIES", "POISON", "DecodeStep", "DeviceState", "compile_defines",
+           "control_defines", "pdl_categories"]
 CATEGORIES = ("embed", "norm", "in_proj", "gdn", "attn", "out_proj", "mlp", "lm_head", "finish")
 GEMV_CATEGORIES = ("in_proj", "out_proj", "mlp")
 
@@ -63,15 +65,6 @@ def pdl_categories(pdl) -> frozenset[str]:
         else:
             raise ValueError(f"DecodeStep: pdl category {c!r} not one of {CATEGORIES + ('gemv',)}")
     return frozenset(out)
-
-
-def control_defines() -> dict[str, int]:
-    """Word offsets (uint32) of the control block fields for finish.cu, from CONTROL_DTYPE."""
-    f = CONTROL_DTYPE.fields
-    w = {k: f[k][1] // 4 for k in CONTROL_DTYPE.names}
-    return {"QMK_CTRL_STEP": w["step"], "QMK_CTRL_POS": w["pos"], "QMK_CTRL_STOP": w["stop"],
-            "QMK_CTRL_MAX_POS": w["max_pos"], "QMK_CTRL_N_EOS": w["n_eos"], "QMK_CTRL_EOS": w["eos"],
-            "QMK_CTRL_TOKENS": w["tokens"], "QMK_CTRL_OUT": w["out_token"], "QMK_CTRL_MAX_EOS": MAX_EOS}
 
 
 def compile_defines(cfg: ModelConfig) -> dict[str, int]:
@@ -101,63 +94,55 @@ class DecodeStep:
             raise ValueError(f"DecodeStep: m_rows={m_rows}; expected 1..{MAX_ROWS}")
         if capacity < 1 or capacity > cfg.max_position_embeddings:
             raise ValueError(f"DecodeStep: capacity={capacity}; expected 1..{cfg.max_position_embeddings}")
-        self.cfg, self.w, self.capacity, self.m = cfg, weights, int(capacity), int(m_rows)
+        self.cfg, self.w, self.m = cfg, weights, int(m_rows)
         self.debug_logits = debug_logits
         self.pdl = pdl_categories(pdl)
         self.fuse_norm = bool(fuse_norm)
         self.gemv_defines = dict(gemv_defines or {})  # kernel choices of every Gemv (benchmarks; same bits)
-        self.stream = cp.cuda.Stream(non_blocking=True)
-        self.graph = verify_graph(cfg, MAX_ROWS)     # buffer sizes for up to 8 rows; steps use row prefixes
-        self._alloc_arena()
-        self.ctrl = cp.zeros(CONTROL_DTYPE.itemsize // 4, cp.uint32)
-        self._ctrl_i = self.ctrl.view(cp.int32)
-        wd = control_defines()
-        self.pos_dev = self._ctrl_i[wd["QMK_CTRL_POS"]:wd["QMK_CTRL_POS"] + 1]
-        self.tokens_dev = self._ctrl_i[wd["QMK_CTRL_TOKENS"]:wd["QMK_CTRL_TOKENS"] + MAX_ROWS]
-        self._wd = wd
+        self.state = DeviceState(cfg, capacity, debug_logits=debug_logits)  # the session's memory, allocated first
         self._build_ops()
         self._graph = None
-        self.last_m = self.m      # rows of the last step launched (snapshot / buffer default)
+        self.state.last_m = self.m
         self.reset()
         cp.cuda.Device().synchronize()
 
-    # ------------------------------------------------------------------ allocation (start-up only)
-    def _alloc_arena(self) -> None:
-        import cupy as cp
-        cfg, g = self.cfg, self.graph
-        H = cfg.hidden_size
-        specs = {}
-        for b in g.buffers.values():
-            if b.kind == "act" and (b.name != "logits" or self.debug_logits):
-                specs[b.name] = (b.shape, np.uint16 if b.dtype == "bf16" else np.int32)
-        for i in range(cfg.num_hidden_layers):  # normed inputs (the megakernel's GEMV prologue)
-            specs[f"xn.{i}"] = ((MAX_ROWS, H), np.uint16)
-            specs[f"xn.{i}.post"] = ((MAX_ROWS, H), np.uint16)
-        specs["hn"] = ((MAX_ROWS, H), np.uint16)
-        offs, n = {}, 0
-        for name, (shape, dt) in specs.items():
-            offs[name] = n
-            n += -(-(int(np.prod(shape)) * np.dtype(dt).itemsize) // 256) * 256  # 256-byte aligned slots
-        self.arena = cp.empty(n, cp.uint8)
-        self.buf = {name: self.arena[offs[name]:offs[name] + int(np.prod(s)) * np.dtype(dt).itemsize].view(dt).reshape(s)
-                    for name, (s, dt) in specs.items()}
-        # one split-K scratch shared by all projections (launches are ordered on one stream)
-        pmax = 0
-        for op in g.ops:
-            for s in op.segments:
-                rows = 2 * s.n_out if s.epilogue == "swiglu" else s.n_out
-                pmax = max(pmax, s.split * MAX_ROWS * rows)
-        fused = [op for op in g.ops if op.kind == "gemv" and len(op.segments) > 1]
-        for op in fused:
-            pmax = max(pmax, op.segments[0].split * MAX_ROWS * sum(s.n_out for s in op.segments))
-        self.partials = cp.empty(pmax, cp.float32)
-        # state: GDN recurrent [n_v, d_v, d_k] fp32 + conv ring; paged KV; lm_head buffers
-        nv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        self.rec = {i: cp.zeros((nv, dv, dk), cp.float32) for i in cfg.linear_layers}
-        self.ring = {i: cp.zeros((CONV_RING, cfg.gdn_conv_dim), cp.uint16) for i in cfg.linear_layers}
-        self.kv = PagedKVCache(cfg, -(-self.capacity // 256))
-        self.sess = self.kv.session(self.capacity)
-        self.sess.reserve(self.capacity)
+    # ------------------------------------------------------------------ the session's memory (DeviceState)
+    # Read-only aliases of ``self.state``'s buffers, kept because tests, benchmarks and tools read them from the
+    # step in many places; the megakernel, the prefill and the executors use ``state`` itself.
+    stream = property(lambda self: self.state.stream, doc="The session's CUDA stream (DeviceState.stream).")
+    graph = property(lambda self: self.state.graph, doc="verify_graph(cfg, MAX_ROWS): the buffers' sizes.")
+    capacity = property(lambda self: self.state.capacity, doc="Tokens the session may hold.")
+    arena = property(lambda self: self.state.arena, doc="uint8 [n]: the activation arena (DeviceState.arena).")
+    buf = property(lambda self: self.state.buf, doc="Arena views by buffer name (DeviceState.buf).")
+    partials = property(lambda self: self.state.partials, doc="fp32 [n]: the split-K scratch.")
+    rec = property(lambda self: self.state.rec, doc="GDN layer → fp32 [n_v, d_v, d_k] recurrent state.")
+    ring = property(lambda self: self.state.ring, doc="GDN layer → uint16 [CONV_RING, conv_dim] conv ring.")
+    kv = property(lambda self: self.state.kv, doc="The PagedKVCache of the full-attention layers.")
+    sess = property(lambda self: self.state.sess, doc="The session's KVSession (page table).")
+    ctrl = property(lambda self: self.state.ctrl, doc="uint32 [24]: the control block.")
+    pos_dev = property(lambda self: self.state.pos_dev, doc="int32 [1] (device): the control block's pos.")
+    tokens_dev = property(lambda self: self.state.tokens_dev, doc="int32 [MAX_ROWS] (device): the rows' input ids.")
+    pos = property(lambda self: self.state.pos, doc="Host copy of the position of the next step's row 0.")
+    last_m = property(lambda self: self.state.last_m, doc="Rows of the last step launched.")
+
+    @property
+    def weights(self):
+        """The ``discrete.weights_gpu.WeightsGPU`` the step runs (also ``w``)."""
+        return self.w
+
+    @property
+    def next_ids(self):
+        """int32 [MAX_ROWS] (device): the lm_head's argmax of each row of the last step (the head op's buffer)."""
+        return self.head_bufs["ids"]
+
+    @property
+    def attention(self):
+        """The first full-attention layer's ``AttnDecode`` (its q / score / stats / partial scratch is shared by
+        every attention layer, which run one after another on the stream), or None without attention layers."""
+        for ops in self.layer_ops:
+            if "attn" in ops:
+                return ops["attn"]
+        return None
 
     def _build_ops(self) -> None:
         cfg, W, g = self.cfg, self.w, self.graph
@@ -263,68 +248,35 @@ class DecodeStep:
             if cat not in skip:
                 f()
 
-    def _check_room(self, M: int) -> None:
-        if self.pos + M > self.capacity:
-            raise ValueError(f"DecodeStep: positions {self.pos}..{self.pos + M - 1} exceed capacity {self.capacity}")
-
-    def _set_tokens(self, tokens) -> int:
-        t = np.asarray(tokens, np.int32).reshape(-1)
-        if not 1 <= t.size <= MAX_ROWS:
-            raise ValueError(f"DecodeStep: expected 1..{MAX_ROWS} tokens, got {t.size}")
-        if t.min() < 0 or t.max() >= FIRST_PADDING_ID:
-            raise ValueError(f"DecodeStep: token ids must lie in [0, {FIRST_PADDING_ID}), got {t.tolist()}")
-        self.tokens_dev[:t.size].set(t, stream=self.stream)
-        return int(t.size)
-
     # ------------------------------------------------------------------ public API
     def reset(self, pos: int = 0, tokens=(0,), max_pos: int | None = None, clear_state: bool = True) -> None:
-        """Start a session at ``pos`` with input ``tokens`` (control block rewritten; GDN state and conv rings
-        zeroed unless ``clear_state=False``; KV is not cleared: positions ≥ pos are rewritten before read).
-        ``max_pos`` defaults to the capacity."""
-        max_pos = self.capacity if max_pos is None else int(max_pos)
-        if not 0 <= pos <= self.capacity or not 0 < max_pos <= self.capacity:
-            raise ValueError(f"DecodeStep.reset: pos={pos}, max_pos={max_pos}; capacity {self.capacity}")
-        c = new_control(pos, list(tokens), max_pos, tuple(self.cfg.eos_token_ids)[:MAX_EOS])
-        c["m_rows"] = self.m
-        self.write_control(c)
-        with self.stream:
-            if clear_state:
-                for a in (*self.rec.values(), *self.ring.values()):
-                    a.fill(0)
+        """Start a session at ``pos`` with input ``tokens`` (control block rewritten, ``m_rows`` = this step's;
+        GDN state and conv rings zeroed unless ``clear_state=False``; KV is not cleared: positions ≥ pos are
+        rewritten before read). ``max_pos`` defaults to the capacity. :meth:`DeviceState.reset`."""
+        self.state.reset(pos, tokens, max_pos, clear_state, m_rows=self.m)
 
     def write_control(self, c: np.ndarray) -> None:
         """Overwrite the control block (a CONTROL_DTYPE scalar, e.g. edited from :meth:`control`), in stream order."""
-        if c.dtype != CONTROL_DTYPE:
-            raise ValueError(f"DecodeStep.write_control: expected dtype CONTROL_DTYPE, got {c.dtype}")
-        self.ctrl.set(np.frombuffer(c.tobytes(), np.uint32), stream=self.stream)
-        self.pos = int(c["pos"])
+        self.state.write_control(c)
 
     def advance(self, n: int) -> None:
-        """Move the position by ``n`` ≥ 0 rows processed outside the step (``discrete.prefill.Prefill``): the host
-        copy and the control block's ``pos`` (in stream order; nothing else in the block changes)."""
-        n = int(n)
-        if n < 0 or self.pos + n > self.capacity:
-            raise ValueError(f"DecodeStep.advance: {self.pos} + {n} outside 0..capacity {self.capacity}")
-        self.pos += n
-        with self.stream:
-            self.pos_dev.fill(np.int32(self.pos))
+        """Move the position by ``n`` ≥ 0 rows processed outside the step (:meth:`DeviceState.advance`)."""
+        self.state.advance(n)
 
     def poison(self) -> None:
         """Fill every activation buffer (and the split-K scratch) with NaN, so a read of anything not written in
         the next step shows up (tests)."""
-        with self.stream:
-            self.arena.view(np.uint16).fill(POISON)
-            self.partials.fill(np.nan)
+        self.state.poison()
 
     def run_eager(self, tokens=None) -> None:
         """Launch one step kernel by kernel (no graph). ``tokens``: the input ids of the rows (1..8; M = their
         count), written into the control block first; None: M = m_rows, tokens already in the control block."""
-        M = self.m if tokens is None else self._set_tokens(tokens)
-        self._check_room(M)
-        with self.stream:
+        st = self.state
+        M = self.m if tokens is None else st.set_tokens(tokens)
+        st.check_room(M)
+        with st.stream:
             self._enqueue(M)
-        self.pos += M
-        self.last_m = M
+        st.note_steps(1, M)
 
     def capture(self) -> None:
         """Capture the m_rows step into one CUDA graph (replayed unchanged for every token)."""
@@ -349,23 +301,20 @@ class DecodeStep:
         """Replay the captured graph once (teacher forcing: ``tokens``, exactly m_rows ids, are written first)."""
         if self._graph is None:
             raise RuntimeError("DecodeStep.replay: call capture() first")
-        if tokens is not None and self._set_tokens(tokens) != self.m:
+        st = self.state
+        if tokens is not None and st.set_tokens(tokens) != self.m:
             raise ValueError(f"DecodeStep.replay: the graph runs {self.m} rows; got {len(tokens)} tokens")
-        self._check_room(self.m)
-        self._graph.launch(self.stream)
-        self.pos += self.m
-        self.last_m = self.m
+        st.check_room(self.m)
+        self._graph.launch(st.stream)
+        st.note_steps(1, self.m)
 
     def read_token(self) -> int:
         """Wait for the stream; the argmax of the last row of the last step (the next input token)."""
-        self.stream.synchronize()
-        o = self._wd["QMK_CTRL_OUT"]
-        return int(self._ctrl_i[o:o + 1].get()[0])
+        return self.state.read_token()
 
     def control(self) -> np.ndarray:
         """Host copy of the control block (CONTROL_DTYPE scalar)."""
-        self.stream.synchronize()
-        return np.frombuffer(self.ctrl.get().tobytes(), CONTROL_DTYPE).copy()[0]
+        return self.state.control()
 
     def prefill(self, ids, rows: int = MAX_ROWS) -> int:
         """Process a prompt as eager passes of ``rows`` ≤ 8 rows (the verify form; slow but correct for any length
@@ -380,20 +329,16 @@ class DecodeStep:
     def buffer(self, name: str, M: int | None = None) -> np.ndarray:
         """Host copy of an arena buffer (``x.3``, ``xn.3``, ``qkv.0``, ``hn``, ``logits``, …) as bf16 [M, …]
         (M defaults to the rows of the last step)."""
-        import ml_dtypes
-        self.stream.synchronize()
-        a = self.buf[name][: (self.last_m if M is None else M)].get()
-        return a.view(ml_dtypes.bfloat16) if a.dtype == np.uint16 else a
+        return self.state.buffer(name, M)
 
     def snapshot(self, M: int | None = None) -> dict:
         """Host copies in the reference's layouts (docs/INTERFACES.md §3 ModelState): ``pos``; ``hidden`` [M, H]
         (final-normed) and ``logits`` [M, V] (debug only) as bf16; ``ids`` [M]; ``conv``/``rec`` per GDN layer
         ([conv_dim, 3] bf16, [n_v, d_k, d_v] fp32); ``k``/``v`` per attention layer ([pos, n_kv, hd] bf16)."""
-        import ml_dtypes
         M = self.last_m if M is None else M
         self.stream.synchronize()
         bf = ml_dtypes.bfloat16
-        snap = {"pos": self.pos, "hidden": self.buffer("hn", M), "ids": self.head_bufs["ids"][:M].get(),
+        snap = {"pos": self.pos, "hidden": self.buffer("hn", M), "ids": self.next_ids[:M].get(),
                 "conv": {i: ring_to_ref(r.get(), self.pos).view(bf) for i, r in self.ring.items()},
                 "rec": {i: state_to_ref(s.get()) for i, s in self.rec.items()}, "k": {}, "v": {}}
         if self.debug_logits:

@@ -528,16 +528,16 @@ class GraphExecutor(Executor):
         if self._sampler is None:
             from discrete.sampling import DeviceSampler
             self._sampler = DeviceSampler(self.cfg)
-        d = self.dstep
-        with d.stream:
-            return self._sampler(d.buf["logits"][d.last_m - 1], temperature, top_k, top_p, u)
+        st = self.dstep.state
+        with st.stream:
+            return self._sampler(st.buf["logits"][st.last_m - 1], temperature, top_k, top_p, u)
 
     def select(self, slot: int) -> None:
         self._check_slot(slot)
 
     @property
     def position(self) -> int:
-        return int(self.dstep.pos)
+        return int(self.dstep.state.pos)
 
     def _out(self) -> StepOutput:
         tok = self.dstep.read_token()
@@ -578,22 +578,23 @@ class GraphExecutor(Executor):
 
     def state_snapshot(self) -> Any:
         """Device copies of the GDN recurrent state and conv rings plus the position (KV rows below the
-        position are never rewritten later). Snapshots are taken on the executor's stream."""
-        d = self.dstep
-        with d.stream:
-            return {"pos": d.pos, "rec": {i: a.copy() for i, a in d.rec.items()},
-                    "ring": {i: a.copy() for i, a in d.ring.items()}}
+        position are never rewritten later). Snapshots are taken on the executor's stream (the session's
+        ``discrete.device_state.DeviceState``)."""
+        st = self.dstep.state
+        with st.stream:
+            return {"pos": st.pos, "rec": {i: a.copy() for i, a in st.rec.items()},
+                    "ring": {i: a.copy() for i, a in st.ring.items()}}
 
     def state_restore(self, snap: Any) -> None:
-        d = self.dstep
-        c = d.control()
+        st = self.dstep.state
+        c = st.control()
         c["pos"] = snap["pos"]
-        d.write_control(c)
-        with d.stream:
+        st.write_control(c)
+        with st.stream:
             for i, a in snap["rec"].items():
-                d.rec[i][...] = a
+                st.rec[i][...] = a
             for i, a in snap["ring"].items():
-                d.ring[i][...] = a
+                st.ring[i][...] = a
 
     def _kv_rows(self, pos: int) -> tuple[list[int], int, int, int, int]:
         """Where the KV rows of positions [0, pos) lie in the page pool (``discrete.kv_cache``): (the session's
@@ -690,7 +691,7 @@ class GraphExecutor(Executor):
 
 class MegakernelExecutor(GraphExecutor):
     """The persistent cooperative kernel running the assembled program (``megakernel.runner.Megakernel``),
-    bound to a ``DecodeStep`` whose weights, arena, state, KV pages and control block it shares.
+    bound to a ``DecodeStep``: its weights, and its ``DeviceState`` (arena, state, KV pages, control block).
 
     Decode: one cooperative launch per step (embedding through lm_head + argmax + control-block update on
     the GPU). Prefill: the graph executor's (``discrete.prefill.Prefill`` on the shared DecodeStep, bit-identical

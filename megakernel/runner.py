@@ -1,8 +1,11 @@
-"""Host side of the megakernel (``megakernel/megakernel.cu``): builds the program for the SM count with the
-assembler, uploads the program / counter / buffer / weight tables (device pointers taken from a
-``discrete.step.DecodeStep``, so both paths read and write the same activations, state, KV pages and control
-block), checks occupancy (exactly one block per SM), launches cooperatively, and drives the persistent mode.
-
+"""Host side of the megakernel (``megakernel/megakernel.cu``): the runner's default program and build choices, and
+the :class:`Megakernel`, which builds the program for the SM count with the assembler (``megakernel/program.py``),
+uploads the program / counter / buffer / weight tables (device pointers taken from a ``discrete.step.DecodeStep``'s
+weights and ops and its ``discrete.device_state.DeviceState``, so both paths read and write the same activations,
+state, KV pages and control block), compiles the module (``megakernel/build.py``), checks occupancy (exactly one
+block per SM), launches cooperatively, drives the persistent mode, and reports errors and deadlocks
+(``megakernel/diagnose.py``). The names of those modules that other code imports from here are re-exported; cache
+warming is ``megakernel/warm.py``.
 Knobs (STYLE.md habit 9): ``layer_limit`` (program of the first L layers + head), ``stop_after`` (run only the
 instructions of stages ≤ N: every wait points at an earlier stage, so the prefix is deadlock-free; one step),
 ``nop`` (every opcode replaced by NOP, waits and bumps kept: the dependency machinery's own floor), ``timing``
@@ -17,52 +20,28 @@ on them).
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import sys
-from pathlib import Path
+import time
 
 import numpy as np
 
-from assembler.graph import verify_graph
-from assembler.isa import WORDS, Opcode
 from assembler.numerics import MAX_ROWS
-from assembler.scheduler import schedule
 from loader.config import FULL, ModelConfig
+from megakernel.build import (COUNTER_SEED, LAYER_DTYPE, MK_DIR, PARAMS_DTYPE, PREFETCH, RING_MAX, SMEM_LIMIT,
+                              SOURCE, WEIGHT_DTYPE, kernel_defines, load, ring_slots)
+from megakernel.diagnose import ERRORS, compare_steps, raise_on_error, short_counters
+from megakernel.program import assemble, program_words, split_gdn, stage_lengths
 
-MK_DIR = Path(__file__).resolve().parent
-SOURCE = MK_DIR / "megakernel.cu"
-COUNTER_SEED = 0xFFFFFF00  # counters start near the uint32 wrap: the wait arithmetic must be wrap-safe
-SMEM_LIMIT = 232448  # dynamic shared memory per block on sm_90 (227 KB)
-RING_MAX = 3         # GEMV ring slots per warp at most (gemv.cuh supports ≤ 8; 6 measured 2 ms slower)
+__all__ = ["COUNTER_SEED", "DEFAULT_DEFER", "DEFAULT_FUSE", "DEFAULT_LOCAL", "ERRORS", "LAYER_DTYPE", "MK_DIR",
+           "PARAMS_DTYPE", "PREFETCH", "RING_MAX", "SMEM_LIMIT", "SOURCE", "WEIGHT_DTYPE", "Megakernel",
+           "build_program", "compare_steps", "compile_defines", "mk_defines", "program_words", "ring_slots",
+           "split_gdn", "stage_lengths"]
+
 DEFAULT_FUSE = False  # Megakernel's default program: GEMV_REDUCE instructions (the fused tail measured slower)
 # residual split-K reduces in the consumers' prologues (graph.defer_reduces) for 1-row programs; at M rows
 # every consumer instruction re-reads S·M·K partials (M = 8, 27B: ≈ 1.3 MB each), so M > 1 keeps GEMV_REDUCE
 DEFAULT_DEFER = True
 # split-K in-projections reduced on their own instructions in shared memory (scheduler local_reduce)
 DEFAULT_LOCAL = True
-PREFETCH = 1         # QMK_MK_PREFETCH: a GEMV issues its first RING - 1 ring units before waiting for its input
-ERRORS = {1: "unknown opcode", 2: "unsupported GEMV prologue (MTP concat, or an unknown one)",
-          3: "bad row range",
-          4: "fused split-K reduce in the program, but the module was built without it",
-          5: "a GEMV or GDN step of M != 1 rows, but the module was built for M = 1",
-          6: "a local-reduce GEMV with more splits than the block has warps, or not a store epilogue"}
-
-_P = [(n, "<u8") for n in ("prog", "lens", "counters", "bufs", "weights", "layers", "embed", "ctrl", "page_table",
-                           "inv_freq", "host", "mirror", "timing", "keys")]
-PARAMS_DTYPE = np.dtype(_P + [("page_stride", "<i8"), ("max_len", "<i4"), ("att_cap", "<i4"), ("n_steps", "<i4"),
-                              ("persistent", "<i4"), ("seed", "<u4"), ("step_base", "<u4"), ("delay_op", "<i4"),
-                              ("delay_ns", "<i4")], align=True)
-WEIGHT_DTYPE = np.dtype([("ptr", "<u8"), ("scale", "<u8"), ("rows", "<i4"), ("cols", "<i4"), ("fp8", "<i4"),
-                         ("pad", "<i4")], align=True)
-LAYER_DTYPE = np.dtype([("t", "<u8", (8,))])
-
-
-def _mk_sources_hash() -> str:
-    h = hashlib.sha256()
-    for p in sorted(MK_DIR.rglob("*.cu*")) + sorted((MK_DIR / "include").glob("*.h")):
-        h.update(p.read_bytes())
-    return h.hexdigest()[:12]
 
 
 def compile_defines(cfg: ModelConfig) -> list[dict]:
@@ -74,178 +53,36 @@ def compile_defines(cfg: ModelConfig) -> list[dict]:
 
 def mk_defines(cfg: ModelConfig, timing: bool = False, extra: dict | None = None,
                fuse_reduce: bool = DEFAULT_FUSE, m1: bool = False) -> dict:
-    """Extra ``QMK_*`` defines of megakernel.cu: the numerics macros of gdn.cuh / attention.cuh (from their
-    launchers, so both paths compile the same code), the MkParams layout offsets (checked by static_assert),
-    and a hash of the megakernel sources (so an edited header never reuses a stale cached module). Build
-    knobs that never change a result: ``fuse_reduce`` (whether the fused split-K tail is compiled into the
-    GEMV instruction; a program that uses it needs it), ``m1`` (tiles built for M = 1; a program of more rows
-    traps with error 5), ring depth and GEMV prefetch (``extra`` overrides)."""
-    from discrete import attention, gdn
-    d = {**gdn.extra_defines(cfg), **attention.extra_defines(cfg)}
-    d.update({"QMK_MKP_SIZE": PARAMS_DTYPE.itemsize, "QMK_MKP_OFF_PAGE_STRIDE": PARAMS_DTYPE.fields["page_stride"][1],
-              "QMK_MKP_OFF_SEED": PARAMS_DTYPE.fields["seed"][1], "QMK_MKP_OFF_DELAY_NS": PARAMS_DTYPE.fields["delay_ns"][1],
-              "QMK_MKW_SIZE": WEIGHT_DTYPE.itemsize, "QMK_MKL_SIZE": LAYER_DTYPE.itemsize,
-              "QMK_MK_SRC": "0x" + _mk_sources_hash()})
-    d["QMK_MK_SMEM_LIMIT"] = SMEM_LIMIT
-    d["QMK_MK_RING"] = ring_slots(cfg)
-    d["QMK_MK_FUSE_REDUCE"] = int(bool(fuse_reduce))
-    d["QMK_MK_PREFETCH"] = PREFETCH
-    d["QMK_MK_M1"] = int(bool(m1))  # GEMV tiles built for M = 1 (1-row programs; measured faster)
-    if timing:
-        d["QMK_MK_TIMING"] = 1
-    d.update(extra or {})  # build knobs (e.g. QMK_MK_RING); results never depend on them
-    if d.get("QMK_MK_RING", 0) < 2:
-        d["QMK_MK_PREFETCH"] = 0  # the prefetch fills the shared-memory ring
-    return d
+    """Extra ``QMK_*`` defines of megakernel.cu for a build (``megakernel.build.kernel_defines``), with the
+    runner's defaults (``fuse_reduce`` = DEFAULT_FUSE, the default program's choice). Results never depend on
+    them."""
+    return kernel_defines(cfg, timing=timing, extra=extra, fuse_reduce=fuse_reduce, m1=m1)
 
 
-def ring_slots(cfg: ModelConfig) -> int:
-    """GEMV weight-ring slots per warp (2 KB each, 16 warps), at most RING_MAX, that fit beside the normed-input
-    buffer and the union scratch in SMEM_LIMIT (an upper estimate of the scratch, the GDN's silu(z) rows included;
-    the kernel static_asserts the total)."""
-    nkb = cfg.hidden_size // 128
-    gdn = 2 * MAX_ROWS * 128 * 4 * 2 + MAX_ROWS * 2 * nkb * 4 + 64 + MAX_ROWS * 128 * 4 + (MAX_ROWS + 1) * 32 * 16
-    att = MAX_ROWS * cfg.gqa_group * 4 * 2 + cfg.gqa_group * cfg.head_dim * 8 + 2 * cfg.gqa_group * 256 * 2
-    base = MAX_ROWS * cfg.hidden_size * 2 + max(gdn, att, MAX_ROWS * 2 * 256 * 4) + 1024
-    return int(min(RING_MAX, max(0, (SMEM_LIMIT - base) // (16 * 2048))))
-
-
-@functools.lru_cache(maxsize=16)
 def build_program(cfg: ModelConfig, m: int, num_sms: int, layer_limit: int | None = None,
                   fuse_reduce: bool = DEFAULT_FUSE, defer_reduce: bool | None = None,
                   local_reduce: bool = DEFAULT_LOCAL):
     """The assembled program of ``verify_graph(cfg, m, layer_limit, defer_reduce)`` for ``num_sms`` SMs (cached per
-    process: the 27B schedule takes seconds; callers never modify it). ``defer_reduce`` None: DEFAULT_DEFER for
-    m = 1, False for more rows; ``local_reduce``: the scheduler's (in-projections reduced on their instructions)."""
+    process by ``megakernel.program.assemble``: the 27B schedule takes seconds; callers never modify it).
+    ``defer_reduce`` None: DEFAULT_DEFER for m = 1, False for more rows; ``local_reduce``: the scheduler's
+    (in-projections reduced on their instructions)."""
     if defer_reduce is None:
         defer_reduce = DEFAULT_DEFER and m == 1
-    return schedule(verify_graph(cfg, m, layer_limit, defer_reduce), num_sms, fuse_reduce,
-                    local_reduce=local_reduce)
+    return assemble(cfg, m, num_sms, layer_limit, fuse_reduce, defer_reduce, local_reduce)
 
 
-def _cover_waits(prog, ins) -> tuple:
-    """Waits that order every read of a GDN_STEP instruction without help from its SM's program order: the
-    final counter(s) of the in-projection (its one group, or the groups of its key heads) and of the op that
-    wrote its input x (buf2). (The scheduler's own waits may rely on producers placed earlier on the same SM.)"""
-    names = {c.name: i for i, c in enumerate(prog.counters)}
-    g = prog.graph
-    layer = ins.layer
-    groups = len(g.op(f"L{layer}.in").groups)  # one group (graph default) or one per key head
-    want = [names[f"L{layer}.in.out{h if groups > 1 else 0}"] for h in range(ins.row_start, ins.row_end)]
-    want = list(dict.fromkeys(want))
-    xname = prog.buffers[ins.buf2].name
-    prod = next(oi for oi, op in enumerate(g.ops) if xname in op.writes)
-    want += [i for i, c in enumerate(prog.counters) if c.op == prod and c.stage == "out"]
-    want = list(dict.fromkeys(want))  # deferred reduces (graph.defer_reduces): x's producer is the in-projection
-    if len(want) > 4:
-        raise ValueError(f"split_gdn: a GDN part would need {len(want)} waits")
-    return tuple((c, prog.counters[c].expected, 0) for c in want)
-
-
-def split_gdn(prog, parts: int):
-    """A copy of ``prog`` where every GDN_STEP instruction becomes ``parts`` instructions over disjoint value-head
-    parts (its ``split`` / ``nsplit`` fields; the kernel's GDN_STEP honours them), the extra ones on the least
-    loaded SMs, each inserted in stage order (so every wait still points at an earlier stage: deadlock-free);
-    the op's counter then expects ``parts`` × as many bumps. The value heads of one key head are independent
-    (discrete/kernels/gdn.cuh runs them as separate blocks), so results are unchanged; only the time on the
-    critical path shrinks. A performance knob of the runner until the scheduler partitions GDN this way."""
-    import dataclasses
-    from assembler.program import Counter, Program
-    grp = prog.graph.cfg.gdn_head_group
-    entries = [[(prog.stage_of[(s, j)], j, ins, prog.item_bytes[s][j]) for j, ins in enumerate(lst)]
-               for s, lst in enumerate(prog.sm_lists)]
-    load = np.array([sum(b) for b in prog.item_bytes], np.float64)
-    factor: dict[int, int] = {}
-    for s, lst in enumerate(prog.sm_lists):
-        for j, ins in enumerate(lst):
-            if ins.opcode != Opcode.GDN_STEP:
-                continue
-            k = min(parts, (ins.row_end - ins.row_start) * grp)
-            if factor.setdefault(ins.bump, k) != k:
-                raise ValueError(f"split_gdn: instructions of counter {ins.bump} cover different head counts")
-            st, nb = prog.stage_of[(s, j)], prog.item_bytes[s][j] // k
-            entries[s][j] = (st, j, dataclasses.replace(ins, split=0, nsplit=k), nb)
-            busy = {t for t in range(prog.num_sms) if any(e[0] == st for e in entries[t])}
-            cw = _cover_waits(prog, ins)
-            for p in range(1, k):
-                free = [t for t in np.argsort(load, kind="stable") if t not in busy]
-                t = int(free[0] if free else np.argmin(load))
-                busy.add(t)
-                load[t] += nb
-                entries[t].append((st, 1 << 30, dataclasses.replace(ins, split=p, nsplit=k, waits=cw, nwaits=len(cw)), nb))
-    counters = [Counter(c.name, c.op, c.stage, c.group, c.expected * factor.get(i, 1))
-                for i, c in enumerate(prog.counters)]
-    lists, item_bytes, stage_of = [], [], {}
-    for s, ent in enumerate(entries):
-        ent = sorted(ent, key=lambda e: (e[0], e[1]))
-        out = []
-        for j, (st, _, ins, nb) in enumerate(ent):
-            w = tuple((c, e * factor.get(c, 1), o * factor.get(c, 1)) for c, e, o in ins.waits)
-            out.append(dataclasses.replace(ins, waits=w))
-            stage_of[(s, j)] = st
-        lists.append(out)
-        item_bytes.append([e[3] for e in ent])
-    new = Program(prog.graph, prog.num_sms, lists, counters, prog.weights, prog.weight_segment, item_bytes,
-                  prog.buffers, prog.buffer_id)
-    new.stage_of = stage_of
-    return new
-
-
-def program_words(prog, nop: bool = False, drop_wait: tuple[int, int, int] | None = None) -> np.ndarray:
-    """int32 [num_sms, max_len, WORDS]. ``nop``: opcodes zeroed (waits, bumps kept). ``drop_wait`` = (sm, index,
-    k): remove wait k of that instruction (tests: a missing dependency must show)."""
-    w = prog.words().copy()
-    if nop:
-        w[:, :, 0] = int(Opcode.NOP)
-    if drop_wait is not None:
-        from assembler.isa import WAITS_OFFSET, FIELDS
-        s, j, k = drop_wait
-        nw = FIELDS.index("nwaits")
-        n = int(w[s, j, nw])
-        if not 0 <= k < n:
-            raise ValueError(f"program_words: instruction ({s}, {j}) has {n} waits; cannot drop wait {k}")
-        trip = w[s, j, WAITS_OFFSET:WAITS_OFFSET + 3 * n].reshape(n, 3)
-        trip = np.delete(trip, k, axis=0)
-        w[s, j, WAITS_OFFSET:WAITS_OFFSET + 3 * n] = 0
-        w[s, j, WAITS_OFFSET:WAITS_OFFSET + 3 * (n - 1)] = trip.reshape(-1)
-        w[s, j, nw] = n - 1
-    return w
-
-
-def stage_lengths(prog, stop_after: int | None) -> np.ndarray:
-    """Instructions per SM to run: all, or those of stages ≤ stop_after (a prefix of each SM's list)."""
-    out = np.zeros(prog.num_sms, np.int32)
-    for s, lst in enumerate(prog.sm_lists):
-        out[s] = len(lst) if stop_after is None else sum(1 for j in range(len(lst)) if prog.stage_of[(s, j)] <= stop_after)
-    return out
+build_program.cache_clear = assemble.cache_clear  # the cache is assemble's (tools clear it around graph knobs)
 
 
 def _load(cfg: ModelConfig, timing: bool, extra: dict | None = None, fuse_reduce: bool = DEFAULT_FUSE,
           m1: bool = False):
-    """The cooperative megakernel module (discrete.build.load_module). The generated isa.h / control.h include
-    <cuda/std/cstdint>; should this NVRTC not find it on its own, compile once more with CuPy's bundled CCCL
-    include directories added (same source text, so the same code)."""
-    from discrete.build import load_module
-    try:
-        mod = load_module(cfg, [str(SOURCE)], mk_defines(cfg, timing, extra, fuse_reduce, m1), cooperative=True)
-        mod.compile()
-        return mod
-    except Exception as e:
-        if "cuda/std" not in str(e):
-            raise
-        import cupy
-        from cupy._core.core import _get_cccl_include_options
-        from discrete.build import nvrtc_options, translation_unit
-        print(f"megakernel: NVRTC did not find <cuda/std/...>; retrying with CuPy's CCCL includes", file=sys.stderr)
-        code = translation_unit(cfg, [str(SOURCE)], mk_defines(cfg, timing, extra, fuse_reduce, m1))
-        mod = cupy.RawModule(code=code, options=nvrtc_options() + tuple(_get_cccl_include_options()),
-                             backend="nvrtc", enable_cooperative_groups=True)
-        mod.compile()
-        return mod
+    """The cooperative megakernel module of these build knobs (``megakernel.build.load``)."""
+    return load(cfg, mk_defines(cfg, timing, extra, fuse_reduce, m1))
 
 
 class Megakernel:
-    """The megakernel bound to one ``DecodeStep`` (its weights, arena, state, KV pages and control block).
+    """The megakernel bound to one ``DecodeStep``: its weights, its ops' scratch (attention, argmax ids) and its
+    ``DeviceState`` (``self.state``: arena, recurrent state, KV pages, control block, stream, position).
 
     ``num_sms``: blocks (default: the device's SM count); ``m_rows``: rows per step (default the step's m);
     ``layer_limit``, ``stop_after``, ``nop``, ``timing``, ``drop_wait``, ``delay_op``/``delay_ns``: see the
@@ -261,7 +98,7 @@ class Megakernel:
                  gdn_split: int | None = None, defines: dict | None = None, fuse_reduce: bool = DEFAULT_FUSE,
                  defer_reduce: bool | None = None, local_reduce: bool = DEFAULT_LOCAL):
         import cupy as cp
-        self.ds, self.cfg = decode_step, decode_step.cfg
+        self.ds, self.state, self.cfg = decode_step, decode_step.state, decode_step.cfg
         cfg = self.cfg
         dev = cp.cuda.Device()
         self.num_sms = int(num_sms or dev.attributes["MultiProcessorCount"])
@@ -323,10 +160,7 @@ class Megakernel:
 
     # ------------------------------------------------------------------ tables
     def _attn(self):
-        for ops in self.ds.layer_ops:
-            if "attn" in ops:
-                return ops["attn"]
-        return None
+        return self.ds.attention
 
     def _buffer_table(self) -> np.ndarray:
         """uint64 [n_buffers]: the DecodeStep's arena views for activations, its control-block tokens / argmax
@@ -335,11 +169,11 @@ class Megakernel:
         uint32 [N / 16] (isa.py FUSE_REDUCE), zeroed here once: every step's last arrival of a tile resets its
         counter, so they are 0 again at every step boundary (and across launches)."""
         import cupy as cp
-        ds, cfg = self.ds, self.cfg
+        ds, st, cfg = self.ds, self.state, self.cfg
         out = np.zeros(len(self.program.buffers), np.uint64)
         for i, b in enumerate(self.program.buffers):
             if b.kind == "act":
-                a = ds.buf.get(b.name)
+                a = st.buf.get(b.name)
                 if a is None:  # e.g. logits without debug_logits
                     a = cp.empty((MAX_ROWS,) + b.shape[1:], cp.uint16 if b.dtype == "bf16" else cp.int32)
                     self._keep.append(a)
@@ -364,11 +198,11 @@ class Megakernel:
                 self._arrive.append(raw[4 * n:].view(cp.uint32))
                 out[i] = a.data.ptr
             elif b.name == "tokens":
-                out[i] = ds.tokens_dev.data.ptr
+                out[i] = st.tokens_dev.data.ptr
             elif b.name == "next":
-                out[i] = ds.head_bufs["ids"].data.ptr
+                out[i] = ds.next_ids.data.ptr
             elif b.name == "hidden.out":  # the head's normalised input: the step's final-normed hidden
-                out[i] = ds.buf["hn"].data.ptr
+                out[i] = st.buf["hn"].data.ptr
             elif b.kind == "io":  # an io buffer this runner does not know: our own, so the program still runs
                 a = cp.empty((MAX_ROWS,) + b.shape[1:], cp.uint16 if b.dtype == "bf16" else cp.int32)
                 self._keep.append(a)
@@ -377,18 +211,18 @@ class Megakernel:
                 kind, layer = b.name.split(".")
                 layer = int(layer)
                 if kind == "conv":
-                    out[i] = ds.ring[layer].data.ptr
+                    out[i] = st.ring[layer].data.ptr
                 elif kind == "rec":
-                    out[i] = ds.rec[layer].data.ptr
+                    out[i] = st.rec[layer].data.ptr
                 else:  # kcache / vcache: the layer's base in the page pool (K and V addressed from it)
-                    out[i] = ds.kv.layer_base(cfg.full_layers.index(layer))
+                    out[i] = st.kv.layer_base(cfg.full_layers.index(layer))
             else:
                 raise ValueError(f"Megakernel: no device buffer for program buffer {b.name} ({b.kind})")
         return out
 
     def _weight_table(self) -> np.ndarray:
         """WEIGHT_DTYPE [n_weights]: segment views into the fused projections of WeightsGPU, and norm vectors."""
-        W, cfg = self.ds.w, self.cfg
+        W, cfg = self.ds.weights, self.cfg
         vecs = {"model.norm.weight": W.final_norm, "lm_head.weight": W.lm_head}
         projs = []
         for i, L in enumerate(W.layers):
@@ -419,7 +253,7 @@ class Megakernel:
         return t
 
     def _layer_table(self) -> np.ndarray:
-        W = self.ds.w
+        W = self.ds.weights
         t = np.zeros(len(W.layers), LAYER_DTYPE)
         for i, L in enumerate(W.layers):
             keys = ("q_norm", "k_norm") if self.cfg.layer_types[i] == FULL else ("a", "b", "A_log", "dt_bias", "conv_w", "norm")
@@ -429,14 +263,14 @@ class Megakernel:
 
     def _fill_params(self, delay_op: int, delay_ns: int) -> None:
         import cupy as cp
-        ds, p = self.ds, self.params
+        st, p = self.state, self.params
         att = self._attn()
         p["prog"], p["lens"], p["counters"] = self.d_prog.data.ptr, self.d_lens.data.ptr, self.counters.data.ptr
         p["bufs"], p["weights"], p["layers"] = self.d_bufs.data.ptr, self.d_weights.data.ptr, self.d_layers.data.ptr
-        p["embed"], p["ctrl"] = ds.w.embed.data.ptr, ds.ctrl.data.ptr
+        p["embed"], p["ctrl"] = self.ds.weights.embed.data.ptr, st.ctrl.data.ptr
         if att is not None:
             p["inv_freq"], p["att_cap"] = att.inv_freq.data.ptr, att.capacity
-        p["page_table"], p["page_stride"] = ds.sess.table.data.ptr, ds.kv.page_stride
+        p["page_table"], p["page_stride"] = st.sess.table.data.ptr, st.kv.page_stride
         p["host"], p["mirror"] = self._host_ptr, self.mirror.data.ptr
         p["timing"] = 0 if self.d_timing is None else self.d_timing.data.ptr
         p["keys"] = self.d_keys.data.ptr
@@ -454,8 +288,7 @@ class Megakernel:
 
     def _advance(self, n: int) -> None:
         self.steps_done += n
-        self.ds.pos += n * self.m
-        self.ds.last_m = self.m
+        self.state.note_steps(n, self.m)
 
     def step(self, tokens=None) -> None:
         """One step (one launch) on the DecodeStep's stream. ``tokens``: the rows' input ids (exactly m_rows),
@@ -469,28 +302,26 @@ class Megakernel:
             raise ValueError(f"Megakernel.run_steps: n={n} must be ≥ 1")
         if self.stop_after is not None and n > 1:
             raise ValueError("Megakernel.run_steps: stop_after runs a single step (the next embed waits on the argmax)")
-        if tokens is not None and self.ds._set_tokens(tokens) != self.m:
+        st = self.state
+        if tokens is not None and st.set_tokens(tokens) != self.m:
             raise ValueError(f"Megakernel: the program runs {self.m} rows; got {len(tokens)} tokens")
-        if self.ds.pos + n * self.m > self.ds.capacity:
-            raise ValueError(f"Megakernel: {n} steps of {self.m} rows from {self.ds.pos} exceed capacity {self.ds.capacity}")
-        self._launch(n, False, self.ds.stream)
+        if st.pos + n * self.m > st.capacity:
+            raise ValueError(f"Megakernel: {n} steps of {self.m} rows from {st.pos} exceed capacity {st.capacity}")
+        self._launch(n, False, st.stream)
         self._advance(n if self.stop_after is None else 0)
 
     def check(self, timeout_s: float = 20.0) -> None:
         """Wait (polling, at most ``timeout_s``) for the DecodeStep's stream; raise RuntimeError naming the
         first stuck counters on a timeout (a deadlock) or when the kernel recorded an error."""
-        import time
         import cupy as cp
         ev = cp.cuda.Event()
-        ev.record(self.ds.stream)
+        ev.record(self.state.stream)
         t0 = time.perf_counter()
         while not ev.done:
             if time.perf_counter() - t0 > timeout_s:
                 raise RuntimeError(f"megakernel did not finish within {timeout_s} s; {self.diagnose()}")
             time.sleep(1e-4)
-        err = self.mirror.get()
-        if err[2]:
-            raise RuntimeError(f"megakernel error {err[2]} ({ERRORS.get(int(err[2]), '?')}), detail {err[3]}")
+        raise_on_error(self.mirror.get())
 
     def diagnose(self, step: int | None = None) -> str:
         """Counters below their target for step ``step`` (default: the last step launched), read on a side
@@ -500,15 +331,12 @@ class Megakernel:
         host = np.empty(self.counters.shape, np.uint32)
         self.counters.get(stream=s, out=host)
         s.synchronize()
-        step = self.steps_done if step is None else step
-        low = [(c.name, int((int(v) - COUNTER_SEED) % 2**32), step * c.expected)
-               for c, v in zip(self.program.counters, host) if (int(v) - COUNTER_SEED) % 2**32 < step * c.expected]
-        return f"{len(low)} counters short of step {step}: " + ", ".join(f"{n}={v}/{t}" for n, v, t in low[:8])
+        return short_counters(self.program.counters, host, self.steps_done if step is None else step)
 
     def arrivals_pending(self) -> int:
         """Nonzero fused-reduce tile arrival counters (0 at every step boundary: each tile's last arrival resets its
         counter; tests check it)."""
-        self.ds.stream.synchronize()
+        self.state.stream.synchronize()
         return int(sum(int((a != 0).sum()) for a in self._arrive))
 
     def counter_values(self) -> np.ndarray:
@@ -517,7 +345,7 @@ class Megakernel:
 
     def poison(self) -> None:
         """NaN-fill the megakernel's own scratch (split-K partials, own logits) on the step's stream."""
-        with self.ds.stream:
+        with self.state.stream:
             for a in self._keep:
                 if a.dtype == np.float32:
                     a.fill(np.nan)
@@ -532,21 +360,19 @@ class Megakernel:
             raise RuntimeError("Megakernel: persistent mode already running")
         self.host[0] = self.host[1] = self.host[2] = 0
         self.host[3] = 0xFFFFFFFF
-        self.ds.stream.synchronize()
+        self.state.stream.synchronize()
         self.mirror.fill(0)
-        from discrete.control import CONTROL_DTYPE
-        go = CONTROL_DTYPE.fields["go"][1] // 4
-        self.ds.ctrl[go:go + 1].fill(0)  # the grid's mirror of the host's go count (counts from 0 per launch)
+        self.state.ctrl_words("go").fill(0)  # the grid's mirror of the host's go count (counts from 0 per launch)
         cp.cuda.Device().synchronize()
         self._released = 0
-        self._ctrl0 = int(self.ds.control()["step"])
+        self._ctrl0 = int(self.state.control()["step"])
         self.persistent_stream = cp.cuda.Stream(non_blocking=True)
         self._launch(0, True, self.persistent_stream)
 
     def release(self, n: int = 1) -> None:
         """Let the resident grid run ``n`` more greedy steps."""
-        if self.ds.pos + n * self.m > self.ds.capacity:
-            raise ValueError(f"Megakernel.release: {n} more steps exceed capacity {self.ds.capacity}")
+        if self.state.pos + n * self.m > self.state.capacity:
+            raise ValueError(f"Megakernel.release: {n} more steps exceed capacity {self.state.capacity}")
         self._released += n
         self.host[0] = self._released
         self._advance(n)
@@ -554,7 +380,6 @@ class Megakernel:
     def wait_token(self, timeout_s: float = 30.0) -> int:
         """Spin on mapped memory until every released step finished; returns the last step's token.
         Raises TimeoutError."""
-        import time
         t0 = time.perf_counter()
         target = self._ctrl0 + self._released  # the finish stage publishes the control block's step count
         while True:
@@ -571,9 +396,7 @@ class Megakernel:
         self.host[1] = 1
         self.persistent_stream.synchronize()
         self.persistent_stream = None
-        err = self.mirror.get()
-        if err[2]:
-            raise RuntimeError(f"megakernel error {err[2]} ({ERRORS.get(int(err[2]), '?')}), detail {err[3]}")
+        raise_on_error(self.mirror.get())
 
     def __del__(self):
         try:
@@ -584,90 +407,3 @@ class Megakernel:
         except Exception:
             pass
 
-
-def _layer_of(name: str) -> int | None:
-    parts = name.split(".")
-    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
-
-
-def compare_steps(a, b, program, m: int):
-    """First bit difference between two DecodeSteps over every buffer ``program`` writes, in graph order:
-    activations [m rows] (bf16 / int32 bits), argmax ids, GDN recurrent state (fp32 bits) and conv rings, then
-    the KV page pools. Returns None, or (buffer, layer or None, flat index, value a, value b, count)."""
-    a.stream.synchronize()
-    b.stream.synchronize()
-    for name, buf in program.graph.buffers.items():
-        if buf.kind == "act":
-            x, y = a.buf[name][:m].get(), b.buf[name][:m].get()
-        elif name == "next":
-            x, y = a.head_bufs["ids"][:m].get(), b.head_bufs["ids"][:m].get()
-        elif name == "hidden.out":
-            x, y = a.buf["hn"][:m].get(), b.buf["hn"][:m].get()
-        elif buf.kind == "state" and name.startswith(("rec.", "conv.")):
-            i = _layer_of(name)
-            x, y = ((a.rec[i].get().view(np.uint32), b.rec[i].get().view(np.uint32)) if name.startswith("rec.")
-                    else (a.ring[i].get(), b.ring[i].get()))
-        else:
-            continue
-        d = np.flatnonzero(x.reshape(-1) != y.reshape(-1))
-        if d.size:
-            return name, _layer_of(name), int(d[0]), int(x.reshape(-1)[d[0]]), int(y.reshape(-1)[d[0]]), int(d.size)
-    pa, pb = a.kv.pool.get(), b.kv.pool.get()
-    d = np.flatnonzero(pa.reshape(-1) != pb.reshape(-1))
-    if d.size:
-        idx = np.unravel_index(d[0], pa.shape)  # [page, attn layer, k|v, kv head, slot, dim]
-        return "kv_pool", int(program.graph.cfg.full_layers[idx[1]]), int(d[0]), int(pa.reshape(-1)[d[0]]), \
-            int(pb.reshape(-1)[d[0]]), int(d.size)
-    return None
-
-
-# ---------------------------------------------------------------------- warm-up of the compile cache
-def warm_jobs(preset: str) -> list[tuple]:
-    """(preset, sources, defines, cooperative) of every module a decode step + megakernel of ``preset``
-    compiles, with the defines their launchers pass (a mismatch only costs a cache miss later)."""
-    from discrete import attention, gdn
-    from discrete.lm_head import DEFAULT_DEFINES, TOPK
-    from discrete.step import control_defines
-    from loader.config import preset as get_preset
-    cfg = get_preset(preset)
-    mk = [(preset, [str(SOURCE)], {"fuse_reduce": f, "timing": t, "m1": m1}, True)
-          for f, t, m1 in ((True, False, True), (DEFAULT_FUSE, False, True), (True, False, False),
-                           (DEFAULT_FUSE, False, False), (DEFAULT_FUSE, True, True))]
-    return mk + [(preset, ["gemv.cu"], None, False), (preset, ["lm_head.cu"], {"QMK_TOPK": TOPK, **DEFAULT_DEFINES}, False),
-            (preset, ["embed.cu"], None, False), (preset, ["gdn.cu"], gdn.extra_defines(cfg), False),
-            (preset, ["attention.cu"], attention.extra_defines(cfg), False),
-            (preset, ["finish.cu"], control_defines(), False), (preset, ["hashgen.cu"], None, False)]
-
-
-def _warm_one(job) -> str:
-    import time
-    from discrete.build import load_module
-    from loader.config import preset as get_preset
-    t = time.perf_counter()
-    try:
-        if job[3]:  # the megakernel: job[2] = _load's knobs
-            _load(get_preset(job[0]), job[2]["timing"], job[2].get("extra"), job[2]["fuse_reduce"],
-                  job[2].get("m1", False))
-        else:
-            load_module(get_preset(job[0]), job[1], job[2]).compile()
-        return f"{job[0]} {Path(job[1][0]).name} {job[2] if job[3] else ''} " \
-               f"{time.perf_counter() - t:.1f} s"
-    except Exception as e:  # report, never stop the others
-        return f"{job[0]} {job[1]}: FAILED {type(e).__name__}: {str(e)[:2000]}"
-
-
-def warm(presets: list[str], workers: int = 16, jobs: list | None = None) -> None:
-    """Compile every module of ``presets`` (or the given ``warm_jobs``-style jobs) in parallel processes,
-    filling CuPy's on-disk kernel cache."""
-    from concurrent.futures import ProcessPoolExecutor
-    jobs = jobs if jobs is not None else [j for p in presets for j in warm_jobs(p)]
-    with ProcessPoolExecutor(min(workers, len(jobs))) as ex:
-        for line in ex.map(_warm_one, jobs):
-            print("warm:", line, flush=True)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--warm":
-        warm(sys.argv[2:])
-    else:
-        print("usage: python3 -m megakernel.runner --warm PRESET [PRESET ...]")

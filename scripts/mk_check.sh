@@ -11,7 +11,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER
 status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/nvidia-smi.csv" 2>&1
 # compile every module both presets need in parallel (fills CuPy's cache; a compile error shows here first)
-timeout 45 python3 -m megakernel.runner --warm tiny qwen3.5-27b 2>&1 | tee "$OUT/warm.log" | tail -20
+timeout 45 python3 -m megakernel.warm tiny qwen3.5-27b 2>&1 | tee "$OUT/warm.log" | tail -20
 timeout 85 python3 -m pytest -q -rA --timeout 45 --timeout-method thread tests/gpu/test_megakernel.py 2>&1 \
     | tee "$OUT/test_megakernel.log" | tail -40
 status=${PIPESTATUS[0]}

@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from loader.synthetic import SyntheticWeights
     from megakernel import runner
     from megakernel.runner import Megakernel, compare_steps
+    from megakernel.warm import warm
 
     vs = variants()
     if a.only:
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         vs = [v for v in vs if v[0] in keep]
     t0 = time.perf_counter()
     defs = lambda x: {k: v for k, v in x.items() if not k.startswith("_")} or None  # noqa: E731 ("_": a program knob)
-    runner.warm([], jobs=[(PRESET, [str(runner.SOURCE)], {"fuse_reduce": f, "timing": False, "extra": defs(x)}, True)
+    warm([], jobs=[(PRESET, [str(runner.SOURCE)], {"fuse_reduce": f, "timing": False, "extra": defs(x)}, True)
                           for _, f, x in vs])
     print(f"compiled {len(vs)} variants in {time.perf_counter() - t0:.1f} s", flush=True)
     cfg, N = preset(PRESET), a.steps

@@ -150,7 +150,7 @@ def test_split_gdn_programs_verify(sms, m, fuse):
     the verifier models the parts (asm_regions._gdn_part / history_reads) and accepts them. The parts of
     a key head own disjoint value heads and exactly one of them the key head's q / k conv channels; removing a
     part's wait on the in-projection is caught (the extra parts' wait on the producer of x is implied by it:
-    runner._cover_waits adds it, redundant but harmless), as is removing any wait of the parts the scheduler
+    megakernel.program._cover_waits adds it, redundant but harmless), as is removing any wait of the parts the scheduler
     placed (split 0)."""
     from assembler.asm_regions import history_reads, regions
     from megakernel.runner import split_gdn
