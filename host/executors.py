@@ -600,9 +600,9 @@ class GraphExecutor(Executor):
         """Where the KV rows of positions [0, pos) lie in the page pool (``discrete.kv_cache``): (the session's
         pages in order, full pages, rows in the last partial page, bytes per page, bytes of one (layer, K|V,
         head) run of PAGE rows)."""
-        kv = self.dstep.kv
+        kv = self.dstep.state.kv
         page, hd = kv.shape[4], kv.shape[5]
-        return self.dstep.sess.pages, pos // page, pos % page, kv.page_stride * 2, page * hd * 2
+        return self.dstep.state.sess.pages, pos // page, pos % page, kv.page_stride * 2, page * hd * 2
 
     def park(self, snapshots: Sequence = ()) -> ParkedState:
         """The slot's state copied into pinned host memory with CuPy async copies on the executor's stream:
@@ -611,7 +611,7 @@ class GraphExecutor(Executor):
         head_dim), the position; ``snapshots`` (device copies) likewise. Synchronises before it returns."""
         import cupy as cp
 
-        d, rt = self.dstep, cp.cuda.runtime
+        d, rt = self.dstep.state, cp.cuda.runtime
         t0 = time.perf_counter()
         pos = d.pos
         pages, full, rows, pbytes, run = self._kv_rows(pos)
@@ -640,7 +640,7 @@ class GraphExecutor(Executor):
 
     def park_nbytes(self, snapshots: Sequence = ()) -> int:
         """Bytes ``park(snapshots)`` would pin: the KV rows in use, GDN state and conv rings, the snapshots."""
-        d = self.dstep
+        d = self.dstep.state
         _, full, rows, pbytes, _ = self._kv_rows(d.pos)
         per_row = int(np.prod(d.kv.shape[1:4])) * d.kv.shape[5] * 2
         state = sum(a.nbytes for a in (*d.rec.values(), *d.ring.values()))
@@ -654,7 +654,7 @@ class GraphExecutor(Executor):
 
         self._check_parked(parked)
         self.reset(slot)
-        d, rt, data = self.dstep, cp.cuda.runtime, parked.data
+        d, rt, data = self.dstep.state, cp.cuda.runtime, parked.data
         t0 = time.perf_counter()
         pos = data["pos"]
         if pos > self.capacity:

@@ -69,7 +69,7 @@ class _Stream:
 
 
 class _Step:
-    """What park / unpark touch of a ``discrete.step.DecodeStep``."""
+    """What park / unpark touch of a ``discrete.step.DecodeStep`` and its ``DeviceState``."""
 
     def __init__(self, rng):
         self.stream, self.pos, self.capacity = _Stream(), 0, CAP
@@ -80,6 +80,7 @@ class _Step:
         self.rec = {1: _dev(rng.random((3, 4, 4)).astype(np.float32))}
         self.ring = {1: _dev(rng.integers(0, 9, (4, 6)).astype(np.uint16))}
         self.ctrl = {"pos": 0}
+        self.state = self  # DecodeStep.state (discrete.device_state.DeviceState): the same names here
 
     def reset(self, pos=0):
         self.pos = self.ctrl["pos"] = pos
