@@ -18,7 +18,7 @@ import numpy as np
 
 from loader.checkpoint import FP8, SCALE_SUFFIX, expected_tensors
 from loader.config import FULL, ModelConfig
-from loader.staging import DEFAULT_BUFFER_BYTES, DEFAULT_BUFFERS, StagedUpload, Transfer
+from loader.staging import StagedUpload, Transfer
 
 
 @dataclass
@@ -130,17 +130,17 @@ class WeightsGPU:
     # ------------------------------------------------------------------ sources
     @classmethod
     def from_source(cls, src, *, pipeline: bool = True, progress: str | None = None,
-                    buffers: int = DEFAULT_BUFFERS, buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> "WeightsGPU":
+                    buffers: int | None = None, buffer_bytes: int | None = None) -> "WeightsGPU":
         """Upload from a WeightSource (``loader.checkpoint.Checkpoint`` or ``SyntheticWeights``).
 
         ``pipeline`` True: every device buffer is allocated first (a dry pass records each tensor's destination),
         then ``loader.staging.StagedUpload`` reads the tensors in file order into ``buffers`` pinned host buffers of
-        ``buffer_bytes`` on a reader thread while this thread copies the filled ones to the device on a stream
-        (host RAM holds the ring); ``progress`` (a label) shows a bar of the bytes with the rate on stderr when it
-        is a terminal. ``load_stats`` then holds the upload's statistics. ``pipeline`` False: one tensor at a time
-        from pageable memory (host RAM holds one tensor). Raises ValueError naming the tensor (and file) on a
-        dtype/shape mismatch or a short read (``loader.staging.UploadError``); a failed load frees the device
-        memory it allocated."""
+        ``buffer_bytes`` (None: ``loader.staging``'s defaults, 3 × 128 MiB) on a reader thread while this thread
+        copies the filled ones to the device on a stream (host RAM holds the ring); ``progress`` (a label) shows a
+        bar of the bytes with the rate on stderr when it is a terminal; ``load_stats`` then holds the upload's
+        statistics. ``pipeline`` False: one tensor at a time from pageable memory (host RAM holds one tensor).
+        Raises ValueError naming the tensor (and file) on a dtype/shape mismatch or a short read
+        (``loader.staging.UploadError``); a failed load frees the device memory it allocated."""
         if not pipeline:
             return cls(src.config, _serial_fill(src))
         import cupy as cp

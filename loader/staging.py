@@ -103,14 +103,17 @@ class StagedUpload:
     * ``record()`` -> an event completing when every copy started so far has; ``done(event)`` -> bool (no wait);
       ``wait(event)`` (blocks); ``sync()`` (blocks until every copy has landed).
 
-    ``buffers`` (>= 1) × ``buffer_bytes`` is the host memory held. ``progress``: a label to show a bar of the
+    ``buffers`` (>= 1) × ``buffer_bytes`` is the host memory held (None: ``DEFAULT_BUFFERS`` ×
+    ``DEFAULT_BUFFER_BYTES``, 3 × 128 MiB). ``progress``: a label to show a bar of the
     bytes uploaded with the rate on stderr (``loader.progress``: only on a terminal), or None.
     :meth:`run` returns statistics; it raises UploadError naming the tensor and file for a wrong dtype/shape or a
     short/failed read (a failed read of a checkpoint's file also names the stored name), after stopping the
     reader and freeing the buffers."""
 
-    def __init__(self, source, transfers: list[Transfer], device, *, buffers: int = DEFAULT_BUFFERS,
-                 buffer_bytes: int = DEFAULT_BUFFER_BYTES, progress: str | None = None):
+    def __init__(self, source, transfers: list[Transfer], device, *, buffers: int | None = None,
+                 buffer_bytes: int | None = None, progress: str | None = None):
+        buffers = DEFAULT_BUFFERS if buffers is None else buffers  # None: the module's defaults, read at call time
+        buffer_bytes = DEFAULT_BUFFER_BYTES if buffer_bytes is None else buffer_bytes
         if buffers < 1:
             raise ValueError(f"staging: buffers must be >= 1, got {buffers}")
         self.source, self.transfers, self.device = source, list(transfers), device
