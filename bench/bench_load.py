@@ -2,7 +2,7 @@
 sequential read rate, load it through the file path, and prove it equal to the weights drawn on the device.
 
 ``python3 -m bench.bench_load [--preset qwen3.5-27b] [--executor graph|megakernel|cpu] [--device auto|gpu|cpu]
-[--dir DIR] [--keep] [--tokens 16] [--workers N] [--out DIR]``;
+[--dir DIR] [--keep] [--tokens 16] [--workers N] [--serial] [--buffers 3] [--buffer-mb 128] [--out DIR]``;
 ``python3 -m bench.bench_load --cpu-write-rate 1,2`` times the CPU writer alone (below).
 
 1. Write: ``loader.synthetic.write_checkpoint`` of ``--preset`` (seed 0) into a temporary sibling of ``--dir``,
@@ -11,9 +11,13 @@ sequential read rate, load it through the file path, and prove it equal to the w
 2. Disk: every shard read once with ``O_DIRECT`` (page cache bypassed; 64 MiB aligned reads) for the disk's
    sequential read rate in this run; where ``O_DIRECT`` is refused, read after ``POSIX_FADV_DONTNEED``.
 3. Load: shards dropped from the page cache (fsync + ``POSIX_FADV_DONTNEED``), then ``Engine.load(DIR,
-   executor)`` timed: config, headers, validation, upload (``WeightsGPU.from_source``) and the executor's build.
-   The rate is the checkpoint's bytes over that time; beside it its fraction of the disk rate of step 2. A load
-   faster than 1.5x the disk rate is flagged ``page_cache_suspected`` (the drop did not take).
+   executor)`` timed: config, headers, validation, upload (``WeightsGPU.from_source``: the staged pipeline of
+   ``loader.staging``) and the executor's build. The rate is the checkpoint's bytes over that time; beside it its
+   fraction of the disk rate of step 2, and the upload's own statistics (its bytes, seconds, GB/s and fraction of
+   the disk rate; how long the reader waited for a free buffer and the copier for a filled one). A load faster
+   than 1.5x the disk rate is flagged ``page_cache_suspected`` (the drop did not take). ``--serial`` also times
+   the serial upload (``from_source(pipeline=False)``: one tensor at a time from pageable memory) after a second
+   cache drop, in the same run. ``--buffers`` / ``--buffer-mb`` set the staging ring.
 4. Equal: ``Engine.load(preset, executor)`` draws the same weights on the device (``WeightsGPU.from_synthetic``);
    every device tensor of the two (fused projections, scales, norms, tables) is compared bit for bit, the first
    mismatch named. On the cpu executor (and with ``--cpu-compare`` on a GPU) every tensor read from the files is
@@ -232,6 +236,33 @@ def cpu_write_rate(workers: list[int], where: Path) -> dict:
     return {"checkpoint_bytes": nbytes, "results": rows}
 
 
+def serial_upload(d: Path, files, disk_gbps: float) -> dict:
+    """The serial upload (``WeightsGPU.from_source(pipeline=False)``) of checkpoint ``d`` after a cache drop, timed
+    with its open; the device copy is freed after."""
+    import cupy as cp
+
+    from discrete.weights_gpu import WeightsGPU
+    from loader.checkpoint import Checkpoint
+    drop_cache(files)
+    t0 = time.perf_counter()
+    w = WeightsGPU.from_source(Checkpoint.open(d), pipeline=False)
+    s = time.perf_counter() - t0
+    n = w.nbytes
+    del w
+    cp.get_default_memory_pool().free_all_blocks()
+    return {"device_bytes": int(n), "seconds": round(s, 2), "gbps": round(n / s / 1e9, 3),
+            "frac_of_disk": round(n / s / 1e9 / disk_gbps, 3)}
+
+
+def _staging_defaults(a) -> None:
+    """--buffers / --buffer-mb: the staging ring of every upload in this process."""
+    from loader import staging
+    if a.buffers:
+        staging.DEFAULT_BUFFERS = a.buffers
+    if a.buffer_mb:
+        staging.DEFAULT_BUFFER_BYTES = a.buffer_mb << 20
+
+
 # ---------------------------------------------------------------------------------------------- main
 def _meta(gpu: bool) -> dict:
     if gpu:
@@ -259,6 +290,9 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--cpu-compare", action="store_true", help="also compare every file tensor with NumPy's draw")
+    ap.add_argument("--serial", action="store_true", help="also time the serial upload (pipeline=False)")
+    ap.add_argument("--buffers", type=int, default=None, help="staging buffers (default: loader.staging's)")
+    ap.add_argument("--buffer-mb", type=int, default=None, help="staging buffer size in MiB")
     ap.add_argument("--cpu-write-rate", default=None, help="only time the CPU writer with these worker counts")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "e2e"))
     a = ap.parse_args(argv)
@@ -286,17 +320,24 @@ def main(argv=None) -> int:
         ck_bytes = sum(f.stat().st_size for f in files)
         doc["disk_read"] = disk_read_rate(files)
         print(json.dumps({"disk_read": doc["disk_read"]}), flush=True)
+        _staging_defaults(a)
+        disk = doc["disk_read"]["gbps"]
         drop_cache(files)
         t0 = time.perf_counter()
         eng = Engine.load(base, executor=kind, quiet=True)
         load_s = time.perf_counter() - t0
         gbps = ck_bytes / load_s / 1e9
+        up = getattr(eng.executor, "upload_stats", None)
+        if up:
+            up = {**up, "frac_of_disk": round(up["gbps"] / disk, 3) if up["gbps"] else None}
         doc["load"] = {"bytes": ck_bytes, "seconds": round(load_s, 2), "gbps": round(gbps, 3),
-                       "frac_of_disk": round(gbps / doc["disk_read"]["gbps"], 3),
-                       "page_cache_suspected": gbps > 1.5 * doc["disk_read"]["gbps"],
+                       "frac_of_disk": round(gbps / disk, 3), "page_cache_suspected": gbps > 1.5 * disk,
                        "executor_weights_s": round(getattr(eng.executor, "load_s", float("nan")), 2),
-                       "executor_detail": eng.executor.detail}
+                       "upload": up, "executor_detail": eng.executor.detail}
         print(json.dumps({"load": doc["load"]}), flush=True)
+        if a.serial and gpu:
+            doc["serial_upload"] = serial_upload(base, files, disk)
+            print(json.dumps({"serial_upload": doc["serial_upload"]}), flush=True)
         t0 = time.perf_counter()
         ref = Engine.load(a.preset, executor=kind, quiet=True)
         doc["synthetic_load_s"] = round(time.perf_counter() - t0, 2)

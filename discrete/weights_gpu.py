@@ -18,6 +18,7 @@ import numpy as np
 
 from loader.checkpoint import FP8, SCALE_SUFFIX, expected_tensors
 from loader.config import FULL, ModelConfig
+from loader.staging import StagedUpload, Transfer
 
 
 @dataclass
@@ -43,6 +44,8 @@ class WeightsGPU:
     per layer with ``in_norm``, ``post_norm`` (uint16 [H]), ``in``, ``out``, ``gate_up``, ``down`` (:class:`Proj`),
     and for GDN layers ``ba`` (uint16 [2n_v, H]), ``b``, ``a`` (views), ``conv_w`` [conv_dim, 4], ``A_log``,
     ``dt_bias`` [n_v], ``norm`` [d_v]; for attention layers ``q_norm``, ``k_norm`` [head_dim]."""
+
+    load_stats: dict | None = None  # from_source's upload statistics (loader.staging.StagedUpload.run)
 
     def __init__(self, cfg: ModelConfig, fill):
         """``fill(name, out, scale_out)`` writes tensor ``name`` (stored shape) into device views ``out`` (and its
@@ -126,22 +129,45 @@ class WeightsGPU:
 
     # ------------------------------------------------------------------ sources
     @classmethod
-    def from_source(cls, src) -> "WeightsGPU":
-        """Upload from a WeightSource (``loader.checkpoint.Checkpoint`` or ``SyntheticWeights``), one tensor at a
-        time (host RAM holds one tensor). Raises ValueError naming the tensor on a dtype/shape mismatch."""
-        def fill(name, out, scale_out):
-            a = np.asarray(src.get(name))
-            bits = np.ascontiguousarray(a).view(np.uint8 if a.dtype.itemsize == 1 else np.uint16)
-            if bits.shape != tuple(out.shape) or np.dtype(out.dtype) != bits.dtype:
-                raise ValueError(f"weights_gpu: {name}: source gives {a.dtype} {a.shape}, expected "
-                                 f"{'fp8' if out.dtype == np.uint8 else 'bf16'} {tuple(out.shape)}")
-            out.set(bits)
-            if scale_out is not None:
-                s = np.ascontiguousarray(np.asarray(src.get(name + SCALE_SUFFIX))).view(np.uint16)
-                if s.shape != tuple(scale_out.shape):
-                    raise ValueError(f"weights_gpu: {name + SCALE_SUFFIX}: shape {s.shape}, expected {scale_out.shape}")
-                scale_out.set(s)
-        return cls(src.config, fill)
+    def from_source(cls, src, *, pipeline: bool = True, progress: str | None = None,
+                    buffers: int | None = None, buffer_bytes: int | None = None) -> "WeightsGPU":
+        """Upload from a WeightSource (``loader.checkpoint.Checkpoint`` or ``SyntheticWeights``).
+
+        ``pipeline`` True: every device buffer is allocated first (a dry pass records each tensor's destination),
+        then ``loader.staging.StagedUpload`` reads the tensors in file order into ``buffers`` pinned host buffers of
+        ``buffer_bytes`` (None: ``loader.staging``'s defaults, 3 × 128 MiB) on a reader thread while this thread
+        copies the filled ones to the device on a stream (host RAM holds the ring); ``progress`` (a label) shows a
+        bar of the bytes with the rate on stderr when it is a terminal; ``load_stats`` then holds the upload's
+        statistics. ``pipeline`` False: one tensor at a time from pageable memory (host RAM holds one tensor).
+        Raises ValueError naming the tensor (and file) on a dtype/shape mismatch or a short read
+        (``loader.staging.UploadError``); a failed load frees the device memory it allocated."""
+        if not pipeline:
+            return cls(src.config, _serial_fill(src))
+        import cupy as cp
+        jobs: list[Transfer] = []
+
+        def record(name, out, scale_out):
+            for n, o in ((name, out), (name + SCALE_SUFFIX, scale_out)):
+                if o is not None:
+                    if not o.flags.c_contiguous:
+                        raise ValueError(f"weights_gpu: destination of {n} is not contiguous")
+                    jobs.append(Transfer(n, tuple(o.shape), np.dtype(o.dtype), o))
+        w = cls.__new__(cls)
+        up = None
+        try:
+            w.__init__(src.config, record)
+            up = StagedUpload(src, jobs, _CupyStaging(cp), buffers=buffers, buffer_bytes=buffer_bytes,
+                              progress=progress)
+            w.load_stats = up.run()
+        except BaseException:
+            w.__dict__.clear()  # the traceback keeps these frames: drop their device arrays
+            jobs.clear()
+            if up is not None:
+                up.transfers.clear()
+            cp.get_default_memory_pool().free_all_blocks()
+            raise
+        w._fill = None
+        return w
 
     @classmethod
     def from_synthetic(cls, syn) -> "WeightsGPU":
@@ -155,3 +181,58 @@ class WeightsGPU:
             else:
                 gfill(syn, name, out=out, scale_out=scale_out)
         return cls(syn.config, fill)
+
+
+def _serial_fill(src):
+    """The fill of the serial upload: ``src.get`` then a synchronous copy from pageable memory, per tensor."""
+    def fill(name, out, scale_out):
+        a = np.asarray(src.get(name))
+        bits = np.ascontiguousarray(a).view(np.uint8 if a.dtype.itemsize == 1 else np.uint16)
+        if bits.shape != tuple(out.shape) or np.dtype(out.dtype) != bits.dtype:
+            raise ValueError(f"weights_gpu: {name}: source gives {a.dtype} {a.shape}, expected "
+                             f"{'fp8' if out.dtype == np.uint8 else 'bf16'} {tuple(out.shape)}")
+        out.set(bits)
+        if scale_out is not None:
+            s = np.ascontiguousarray(np.asarray(src.get(name + SCALE_SUFFIX))).view(np.uint16)
+            if s.shape != tuple(scale_out.shape):
+                raise ValueError(f"weights_gpu: {name + SCALE_SUFFIX}: shape {s.shape}, expected {scale_out.shape}")
+            scale_out.set(s)
+    return fill
+
+
+class _CupyStaging:
+    """The device of ``loader.staging.StagedUpload`` on CuPy: page-locked host buffers (cudaHostAlloc, freed
+    explicitly), async host-to-device copies on one non-blocking stream, an event per filled buffer."""
+
+    def __init__(self, cp):
+        self.cp, self.rt = cp, cp.cuda.runtime
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self._ptrs: dict[int, int] = {}  # id(buffer) -> host pointer
+
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        import ctypes
+        ptr = self.rt.hostAlloc(nbytes, 0)
+        buf = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+        self._ptrs[id(buf)] = ptr
+        return buf
+
+    def free_host_buffer(self, buf: np.ndarray) -> None:
+        self.rt.freeHost(self._ptrs.pop(id(buf)))
+
+    def copy(self, dest, offset: int, view: np.ndarray) -> None:
+        self.rt.memcpyAsync(dest.data.ptr + offset, view.ctypes.data, view.nbytes, self.rt.memcpyHostToDevice,
+                            self.stream.ptr)
+
+    def record(self):
+        ev = self.cp.cuda.Event(disable_timing=True)
+        ev.record(self.stream)
+        return ev
+
+    def done(self, ev) -> bool:
+        return ev.done
+
+    def wait(self, ev) -> None:
+        ev.synchronize()
+
+    def sync(self) -> None:
+        self.stream.synchronize()

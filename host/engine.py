@@ -80,7 +80,10 @@ class Engine:
         27B preset), EnvironmentIOError (the first-use cache directory, ``$QWEN_MK_CACHE``, cannot be written:
         read-only, full, or a file; nothing partial is left in it). ``quiet`` drops the stderr warnings printed for synthetic weights (a preset, or a directory
         written by ``qwen-mk make-checkpoint``) and for what the checkpoint reader tolerated (``Checkpoint.warnings``:
-        a checkpoint without its ``mtp.*`` head loads with speculation off).
+        a checkpoint without its ``mtp.*`` head loads with speculation off), and the progress bar of a GPU executor's
+        weight upload from a checkpoint directory (bytes and GB/s on stderr, shown only when it is a terminal;
+        ``discrete.weights_gpu.WeightsGPU.from_source``). A shard found cut short during the upload is a
+        ModelLoadError naming the file and tensor.
         """
         kind = executor or default_kind()
         check_kind(kind)  # before reading any weights
@@ -115,7 +118,11 @@ class Engine:
             raise InvalidArgument(f"capacity: {capacity} tokens exceeds the model's context of {ctx} "
                                   f"(max_position_embeddings)")
         try:
-            ex = make_executor(kind, weights, capacity, slots)
+            ex = make_executor(kind, weights, capacity, slots,
+                               progress=None if quiet or synthetic is not None else f"loading {model_dir}")
+        except CheckpointError as e:  # found while uploading (a shard cut short since it was opened)
+            msg = str(e)
+            raise ModelLoadError(msg if str(model_dir) in msg else f"model directory {model_dir}: {msg}") from e
         except MemoryError as e:  # host (NumPy) state of the CPU executor
             raise InvalidArgument(f"capacity: the state of {slots} session slot(s) × {capacity} tokens does not fit "
                                   f"in host memory ({e}); lower --capacity") from e

@@ -484,20 +484,21 @@ class GraphExecutor(Executor):
     """Discrete kernels replayed as one CUDA graph per step (``discrete.step.DecodeStep``).
 
     Weights: a ``SyntheticWeights`` source is materialised directly in GPU memory (seconds for the 27B);
-    any other WeightSource is uploaded tensor by tensor. One session slot (its state stays resident; other
-    conversations restore from snapshots). Prefill: every id but the last through ``discrete.prefill.Prefill``
-    (projection GEMMs over chunks of up to 2,048 rows, the GDN and attention decode kernels over row tiles),
-    then the last id as a decode step, which gives its logits and device argmax; bit-identical per row to
-    eager decode passes, so any split of a prompt into calls gives the same bits. Decode replays the captured
-    M = 1 graph, whose finish kernel advances the device-side control block. Raises ExecutorUnavailable
-    without a GPU."""
+    any other WeightSource is uploaded through a ring of pinned buffers that a reader thread fills while the
+    previous ones are copied (``WeightsGPU.from_source``, ``loader.staging``; ``progress`` labels its bar). One
+    session slot (its state stays resident; other conversations restore from snapshots). Prefill: every id but the
+    last through ``discrete.prefill.Prefill`` (projection GEMMs over chunks of up to 2,048 rows, the GDN and
+    attention decode kernels over row tiles), then the last id as a decode step, which gives its logits and device
+    argmax; bit-identical per row to eager decode passes, so any split of a prompt into calls gives the same bits.
+    Decode replays the captured M = 1 graph, whose finish kernel advances the device-side control block. Raises
+    ExecutorUnavailable without a GPU."""
 
     name = "graph"
     max_prefill_piece = None  # Prefill's fixed cost (≈ 64 ms per call at the 27B) is paid once per prompt
     transfer_rate = 2e10  # pinned host <-> H200 copies until one is measured (an estimate: PCIe Gen5 x16 peaks
     #                       at 64 GB/s each way)
 
-    def __init__(self, weights, capacity: int, slots: int = 1):
+    def __init__(self, weights, capacity: int, slots: int = 1, progress: str | None = None):
         check_kind(self.name)
         from discrete.prefill import Prefill
         from discrete.step import DecodeStep
@@ -507,13 +508,14 @@ class GraphExecutor(Executor):
         cfg: ModelConfig = weights.config
         t0 = time.perf_counter()
         synthetic = isinstance(weights, SyntheticWeights)
-        wg = WeightsGPU.from_synthetic(weights) if synthetic else WeightsGPU.from_source(weights)
+        wg = WeightsGPU.from_synthetic(weights) if synthetic else WeightsGPU.from_source(weights, progress=progress)
+        self.upload_stats = wg.load_stats  # the staged upload's statistics (loader.staging), None when drawn
         self.cfg, self.capacity, self.slots = cfg, int(capacity), 1
         self.dstep = DecodeStep(cfg, wg, self.capacity, m_rows=1, debug_logits=True)
         self.prefiller = Prefill(self.dstep)  # scratch for its chunk, allocated here (start-up)
         self.load_s = time.perf_counter() - t0
         self.detail = (f"graph: discrete kernels, one CUDA graph per step; weights "
-                       f"{'materialised on the GPU' if synthetic else 'uploaded'} in {self.load_s:.1f} s; "
+                       f"{'materialised on the GPU' if synthetic else 'uploaded (staged)'} in {self.load_s:.1f} s; "
                        f"prefill = GEMM chunks of {self.prefiller.chunk} rows")
         self._captured = False
         self.device_sampling = True  # draw sampled tokens on the GPU (discrete.sampling); False: on the host
@@ -700,8 +702,8 @@ class MegakernelExecutor(GraphExecutor):
 
     name = "megakernel"
 
-    def __init__(self, weights, capacity: int, slots: int = 1):
-        super().__init__(weights, capacity, slots)
+    def __init__(self, weights, capacity: int, slots: int = 1, progress: str | None = None):
+        super().__init__(weights, capacity, slots, progress)
         from megakernel.runner import Megakernel
 
         t0 = time.perf_counter()
@@ -721,9 +723,12 @@ class MegakernelExecutor(GraphExecutor):
         return self._out()
 
 
-def make_executor(kind: str, weights, capacity: int, slots: int = 4) -> Executor:
-    """Build the executor ``kind`` (one of KINDS) for ``weights`` (a WeightSource). Raises InvalidArgument for an
-    unknown kind, ExecutorUnavailable for one that cannot run here."""
+def make_executor(kind: str, weights, capacity: int, slots: int = 4, progress: str | None = None) -> Executor:
+    """Build the executor ``kind`` (one of KINDS) for ``weights`` (a WeightSource). ``progress``: a label for the
+    bar of a GPU executor's weight upload on stderr (shown on a terminal; ``loader.progress``), None for none.
+    Raises InvalidArgument for an unknown kind, ExecutorUnavailable for one that cannot run here."""
     table = {"cpu": CpuExecutor, "cpu-vm": CpuVmExecutor, "graph": GraphExecutor, "megakernel": MegakernelExecutor}
     check_kind(kind)
-    return table[kind](weights, capacity, slots)
+    if kind in CPU_KINDS:
+        return table[kind](weights, capacity, slots)
+    return table[kind](weights, capacity, slots, progress)

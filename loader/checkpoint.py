@@ -239,6 +239,16 @@ class Checkpoint:
         out.flags.writeable = False
         return out
 
+    def byte_range(self, name: str) -> tuple[Path, int, int] | None:
+        """(shard path, first byte, end byte) of tensor ``name``'s bits in its file, when :meth:`get` returns them
+        as stored; None when ``get`` converts them (an F32 scale, returned as bf16). Raises KeyError naming it."""
+        if name not in self._entries:
+            raise KeyError(f"{self.path}: no tensor {name!r} in this checkpoint")
+        f, _, dt, _, b, e = self._entries[name]
+        if name.endswith(SCALE_SUFFIX) and dt == ST_DTYPES["F32"]:
+            return None
+        return f, b, e
+
     def file_of(self, name: str) -> tuple[Path, str]:
         """(shard path, stored name) of canonical tensor ``name``. Raises KeyError."""
         f, s, *_ = self._entries[name]
