@@ -11,12 +11,10 @@ qmk_gdn_decode(const mx_u16* __restrict__ qkv, const mx_u16* __restrict__ z, con
                const mx_u16* __restrict__ norm_w, mx_u16* __restrict__ ring, float* __restrict__ state,
                mx_u16* __restrict__ out, const int* __restrict__ pos_ptr, int M) {
     __shared__ MxGdnSmem sm;
-    MX_GDN_STAMP(0);
     qmk_pdl_launch_dependents();
     MxGdnPre pre;  // the head's weights: loads issued before the wait (pdl.cuh's rule: weights only)
     mx_gdn_prefetch(w_a, w_b, a_log, dt_bias, conv_w, norm_w, blockIdx.x, pre);
     qmk_pdl_wait();
-    MX_GDN_STAMP(1);
     mx_gdn_step_head_pre<MX_GDN_CPW>(qkv, z, hn, ring, state, out, *pos_ptr, M, blockIdx.x, pre, sm);
 }
 
