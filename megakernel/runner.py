@@ -27,6 +27,7 @@ import numpy as np
 from assembler.graph import verify_graph
 from assembler.isa import WORDS, Opcode
 from assembler.numerics import MAX_ROWS
+from assembler.options import PROGRAM
 from assembler.scheduler import schedule
 from loader.config import FULL, ModelConfig
 
@@ -35,12 +36,10 @@ SOURCE = MK_DIR / "megakernel.cu"
 COUNTER_SEED = 0xFFFFFF00  # counters start near the uint32 wrap: the wait arithmetic must be wrap-safe
 SMEM_LIMIT = 232448  # dynamic shared memory per block on sm_90 (227 KB)
 RING_MAX = 3         # GEMV ring slots per warp at most (gemv.cuh supports ≤ 8; 6 measured 2 ms slower)
-DEFAULT_FUSE = False  # Megakernel's default program: GEMV_REDUCE instructions (the fused tail measured slower)
-# residual split-K reduces in the consumers' prologues (graph.defer_reduces) for 1-row programs; at M rows
-# every consumer instruction re-reads S·M·K partials (M = 8, 27B: ≈ 1.3 MB each), so M > 1 keeps GEMV_REDUCE
-DEFAULT_DEFER = True
-# split-K in-projections reduced on their own instructions in shared memory (scheduler local_reduce)
-DEFAULT_LOCAL = True
+# the default program's form: assembler/options.py PROGRAM (why each is what it is: its docstring)
+DEFAULT_FUSE = PROGRAM.fuse_reduce  # GEMV_REDUCE instructions (the fused tail measured slower)
+DEFAULT_DEFER = PROGRAM.defer_reduce  # residual split-K reduces in the consumers' prologues, 1-row programs only
+DEFAULT_LOCAL = PROGRAM.local_reduce  # split-K in-projections reduced on their own instructions
 PREFETCH = 1         # QMK_MK_PREFETCH: a GEMV issues its first RING - 1 ring units before waiting for its input
 ERRORS = {1: "unknown opcode", 2: "unsupported GEMV prologue (MTP concat, or an unknown one)",
           3: "bad row range",
@@ -274,7 +273,7 @@ class Megakernel:
         self.program = build_program(cfg, self.m, self.num_sms, layer_limit, self.fuse_reduce, self.defer_reduce,
                                      self.local_reduce)
         if gdn_split is None:  # default: every value head its own GDN_STEP (measured faster on the 27B)
-            gdn_split = cfg.gdn_head_group
+            gdn_split = PROGRAM.gdn_parts(cfg)
         if gdn_split > 1:
             self.program = split_gdn(self.program, gdn_split)
         words = program_words(self.program, nop, drop_wait)
