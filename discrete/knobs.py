@@ -168,6 +168,31 @@ BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
 # (set by nothing; the last six stay as plain constants of their sources, mirrored by the Python launchers).
 
 
+# Constants of the CUDA sources that a Python launcher repeats: (define, source, "module:ATTR"); the test checks
+# that both sides hold the same value.
+MIRRORS = (
+    ("QMK_GEMV_WARPS", _K + "gemv.cuh", "discrete.partition:FP8_WARPS"),
+    ("QMK_GEMV_BF16_WARPS", _K + "gemv.cuh", "discrete.partition:BF16_WARPS"),
+    ("QMK_GEMV_UNIT_BYTES", _K + "gemv.cuh", "discrete.gemv:UNIT_BYTES"),
+    ("QMK_GEMV_RING_MAX", _K + "gemv.cuh", "discrete.gemv:RING_MAX"),
+    ("QMK_GEMV_TMA_WARPS", _K + "gemv.cu", "discrete.gemv:TMA_WARPS"),
+    ("QMK_GEMM_STAGES", _K + "gemm.cuh", "discrete.gemm:STAGES"),
+    ("QMK_LMH_WARPS", _K + "lm_head.cuh", "discrete.lm_head:LMH_WARPS"),
+    ("QMK_TOPK", _K + "lm_head.cuh", "discrete.lm_head:TOPK"),
+    ("QMK_SAMPLE_THREADS", _K + "sample.cuh", "discrete.sampling:THREADS"),
+    ("QMK_SAMPLE_PER", _K + "sample.cuh", "discrete.sampling:PER"),
+    ("QMK_SAMPLE_MAX_BLOCKS", _K + "sample.cuh", "discrete.sampling:MAX_BLOCKS"),
+)
+
+
+def source_value(text: str, name: str) -> int:
+    """The integer of the first ``#define NAME <int>`` in ``text``. Raises ValueError when there is none."""
+    m = re.search(rf"^\s*#\s*define\s+{name}\s+(\d+)\b", text, re.M)
+    if m is None:
+        raise ValueError(f"no integer #define {name}")
+    return int(m.group(1))
+
+
 SOURCE_GLOBS = ("discrete/kernels/*.cu", "discrete/kernels/*.cuh", "discrete/kernels/*.h", "megakernel/**/*.cu",
                 "megakernel/**/*.cuh", "megakernel/**/*.h")
 PYTHON_DIRS = ("discrete", "megakernel", "host", "bench", "tools")

@@ -52,3 +52,18 @@ def test_negative_controls(tmp_path):
     assert any("passes QMK_V" in m for m in msgs), msgs
     stale = _tree(tmp_path / "stale", "", 'd = {"QMK_T": 2}\n')
     assert any("(stale)" in m for m in knobs.problems(stale, (k,)))
+
+
+def test_python_mirrors_hold_the_source_values():
+    """Each constant a Python launcher repeats (block sizes, ring bytes, stages) equals the CUDA source's."""
+    import importlib
+    for name, src, where in knobs.MIRRORS:
+        mod, attr = where.split(":")
+        assert getattr(importlib.import_module(mod), attr) == knobs.source_value((ROOT / src).read_text(), name), where
+    assert knobs.source_value("#define QMK_Q 7  // x\n", "QMK_Q") == 7  # negative control: the parser reads values
+    try:
+        knobs.source_value("#define QMK_Q (1 + 2)\n", "QMK_Q")
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a non-integer define must not parse")
