@@ -377,8 +377,8 @@ def schedule(graph: Graph, num_sms: int, fuse_reduce: bool | None = None, balanc
     cumulative water fill, measured slower on the 27B with per-key-head in-projection groups, which the graph
     no longer has); ``local_reduce``: split-K ops that ``local_candidate`` admits reduce on their own instructions
     (LOCAL_REDUCE: each instruction computes all splits of whole tiles, no GEMV_REDUCE stage) where that cut
-    loads the busiest SM at most LOCAL_SLACK × the split cut's (None: ``PROGRAM``'s). Raises ValueError for num_sms < 1 or an
-    instruction that would need more than MAX_WAITS waits."""
+    loads the busiest SM at most LOCAL_SLACK × the split cut's (None: ``PROGRAM``'s). Raises ValueError for
+    num_sms < 1 or an instruction that would need more than MAX_WAITS waits."""
     if not isinstance(num_sms, int) or num_sms < 1:
         raise ValueError(f"schedule: num_sms must be an integer ≥ 1, got {num_sms!r}")
     fuse_reduce = PROGRAM.fuse_reduce if fuse_reduce is None else fuse_reduce
