@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from assembler.numerics import MAX_ROWS, ROW_TILE, attn_partitions, split_k
+from assembler.options import PROGRAM
 from loader.config import FULL, ModelConfig
 
 DTYPE_BYTES = {"bf16": 2, "f32": 4, "i32": 4}
@@ -212,7 +213,7 @@ def _gdn_layer(g: Graph, i: int, x: str, x_mid: str) -> None:
     _gemv(g, f"L{i}.out", i, o, (), segs)
 
 
-DEFAULT_MLP_GROUPS = False  # verify_graph's mlp_groups when not given (not yet measured on the H200: off)
+DEFAULT_MLP_GROUPS = PROGRAM.mlp_groups  # verify_graph's mlp_groups when not given (assembler/options.py)
 
 
 def mlp_group_rows(cfg: ModelConfig) -> list[tuple[int, int]] | None:
@@ -310,14 +311,17 @@ def _check_m(m: int) -> None:
         raise ValueError(f"graph: m={m} rows; expected 1..{MAX_ROWS}")
 
 
-def verify_graph(cfg: ModelConfig, m: int, layer_limit: int | None = None, defer_reduce: bool = False,
+def verify_graph(cfg: ModelConfig, m: int, layer_limit: int | None = None, defer_reduce: bool | None = None,
                  mlp_groups: bool | None = None) -> Graph:
     """The target model over ``m`` rows (the current token + m−1 drafts, positions pos..pos+m−1).
 
     ``layer_limit`` keeps the first L layers (bisect knob; the head still runs); ``defer_reduce``: residual
-    split-K reduces in the consumers' prologues (:func:`defer_reduces`); ``mlp_groups``: gate|up rows grouped per
-    down split (``_mlp``; None: DEFAULT_MLP_GROUPS, read at call time). Raises ValueError on bad m/L."""
+    split-K reduces in the consumers' prologues (:func:`defer_reduces`; None: ``PROGRAM.for_rows(m)``, the GPU's
+    program: deferred for m = 1 only); ``mlp_groups``: gate|up rows grouped per down split (``_mlp``; None:
+    DEFAULT_MLP_GROUPS, read at call time). Raises ValueError on bad m/L."""
     _check_m(m)
+    if defer_reduce is None:
+        defer_reduce = PROGRAM.for_rows(m).defer_reduce
     n = cfg.num_hidden_layers if layer_limit is None else layer_limit
     if not 0 <= n <= cfg.num_hidden_layers:
         raise ValueError(f"graph: layer_limit={layer_limit}; expected 0..{cfg.num_hidden_layers}")
@@ -333,18 +337,20 @@ def verify_graph(cfg: ModelConfig, m: int, layer_limit: int | None = None, defer
     return defer_reduces(g) if defer_reduce else g
 
 
-def decode_graph(cfg: ModelConfig, layer_limit: int | None = None, defer_reduce: bool = False,
+def decode_graph(cfg: ModelConfig, layer_limit: int | None = None, defer_reduce: bool | None = None,
                  mlp_groups: bool | None = None) -> Graph:
     """One decode step (M = 1)."""
     return verify_graph(cfg, 1, layer_limit, defer_reduce, mlp_groups)
 
 
-def mtp_graph(cfg: ModelConfig, m: int = 1, defer_reduce: bool = False, mlp_groups: bool | None = None) -> Graph:
+def mtp_graph(cfg: ModelConfig, m: int = 1, defer_reduce: bool | None = None, mlp_groups: bool | None = None) -> Graph:
     """One MTP draft step (spec §4): x = mtp.fc(cat[norm_e(embed(tok)), norm_h(hidden)]) → the MTP full-attention
     layer (own KV cache, layer index num_hidden_layers) → mtp.norm → lm_head → argmax. ``hidden`` is the
     final-normed hidden state of the row before (io input); ``defer_reduce``, ``mlp_groups`` as ``verify_graph``.
     Raises ValueError when the config has no MTP layer."""
     _check_m(m)
+    if defer_reduce is None:
+        defer_reduce = PROGRAM.for_rows(m).defer_reduce
     if cfg.mtp_num_hidden_layers != 1:
         raise ValueError("mtp_graph: the config has no MTP layer (mtp_num_hidden_layers=0)")
     g = Graph(cfg, m, "mtp")

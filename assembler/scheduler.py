@@ -15,7 +15,7 @@ least-loaded SM. Attention is four stages (prep per KV head; scores and values p
 of one KV head; reduce per run of query heads), each stage's instructions on distinct SMs; the partition count
 P = ``numerics.attn_partitions`` is fixed by the shape, so the cut changes only who computes which partition.
 
-Split-K reduce: with ``fuse_reduce`` (default) a split-K segment's GEMV instructions reduce their own tiles (the
+Split-K reduce: with ``fuse_reduce`` a split-K segment's GEMV instructions reduce their own tiles (the
 last arriving warp of a tile's S splits, isa.py FUSE_REDUCE) and bump the op's ``out`` counter: no GEMV_REDUCE
 stage, consumers wait on the GEMV instructions (all of them bumped ⇒ every tile's last arrival, and with it
 the tile's reduce, happened). ``fuse_reduce=False``: partials bump ``part`` counters and GEMV_REDUCE
@@ -39,9 +39,10 @@ import bisect
 import numpy as np
 
 from assembler.asm_regions import regions
-from assembler.graph import Graph, Op
+from assembler.graph import Graph, Op, mtp_graph, verify_graph
 from assembler.isa import ARGMAX_KEYS, MAX_WAITS, Instruction, Opcode, sub_word
 from assembler.numerics import K_BLOCK, ROW_TILE, attn_partitions, split_blocks
+from assembler.options import PROGRAM, ProgramOptions
 from assembler.program import Counter, Program
 
 
@@ -367,18 +368,21 @@ class _Builder:
         return fill if sms is None else sms
 
 
-def schedule(graph: Graph, num_sms: int, fuse_reduce: bool = True, balance: bool = True,
-             local_reduce: bool = True) -> Program:
+def schedule(graph: Graph, num_sms: int, fuse_reduce: bool | None = None, balance: bool = True,
+             local_reduce: bool | None = None) -> Program:
     """Assemble ``graph`` for ``num_sms`` SMs (any count ≥ 1); ``fuse_reduce``: split-K reduce folded into the
-    GEMV instructions (module docstring; False: separate GEMV_REDUCE instructions); ``balance``: each GEMV stage
+    GEMV instructions (module docstring; False: separate GEMV_REDUCE instructions; None: ``PROGRAM``'s, the
+    GPU's program, assembler/options.py); ``balance``: each GEMV stage
     cut so that every SM runs at most one instruction of it, balanced per op (``_balanced``; False: the
     cumulative water fill, measured slower on the 27B with per-key-head in-projection groups, which the graph
     no longer has); ``local_reduce``: split-K ops that ``local_candidate`` admits reduce on their own instructions
     (LOCAL_REDUCE: each instruction computes all splits of whole tiles, no GEMV_REDUCE stage) where that cut
-    loads the busiest SM at most LOCAL_SLACK × the split cut's. Raises ValueError for num_sms < 1 or an
-    instruction that would need more than MAX_WAITS waits."""
+    loads the busiest SM at most LOCAL_SLACK × the split cut's (None: ``PROGRAM``'s). Raises ValueError for
+    num_sms < 1 or an instruction that would need more than MAX_WAITS waits."""
     if not isinstance(num_sms, int) or num_sms < 1:
         raise ValueError(f"schedule: num_sms must be an integer ≥ 1, got {num_sms!r}")
+    fuse_reduce = PROGRAM.fuse_reduce if fuse_reduce is None else fuse_reduce
+    local_reduce = PROGRAM.local_reduce if local_reduce is None else local_reduce
     bld = _Builder(graph, num_sms, fuse_reduce, balance, local_reduce)
     bld.buffer_id = {name: i for i, name in enumerate(graph.buffers)}
     for oi, op in enumerate(graph.ops):
@@ -512,3 +516,23 @@ def _add_waits(prog: Program, draft: list[list[Instruction]]) -> list[list[Instr
                 raise ValueError(f"schedule: embed needs {len(w)} waits > MAX_WAITS={MAX_WAITS}")
             lst[j] = Instruction(**{**ins.__dict__, "waits": w, "nwaits": len(w)})
     return out
+
+
+def assemble(cfg, m: int, num_sms: int, options: ProgramOptions | None = None, layer_limit: int | None = None,
+             kind: str = "decode") -> Program:
+    """The ``m``-row program of ``cfg`` (a ModelConfig) for ``num_sms`` SMs in the form ``options`` gives (None:
+    ``PROGRAM.for_rows(m)``, the program the GPU runs; concrete options are used as given): ``verify_graph``
+    (``kind`` "decode", ``layer_limit``) or ``mtp_graph`` (``kind`` "mtp") with its ``defer_reduce`` /
+    ``mlp_groups``, scheduled with its ``fuse_reduce`` / ``local_reduce``. ``gdn_split`` is applied after this by
+    ``megakernel.runner.split_gdn`` (``options.gdn_parts(cfg)`` parts). Raises ValueError on a bad kind, m,
+    layer_limit or SM count."""
+    o = PROGRAM.for_rows(m) if options is None else options
+    if kind == "decode":
+        g = verify_graph(cfg, m, layer_limit, o.defer_reduce, o.mlp_groups)
+    elif kind == "mtp":
+        if layer_limit is not None:
+            raise ValueError("assemble: layer_limit applies to decode programs only")
+        g = mtp_graph(cfg, m, o.defer_reduce, o.mlp_groups)
+    else:
+        raise ValueError(f"assemble: kind={kind!r}; expected 'decode' or 'mtp'")
+    return schedule(g, num_sms, o.fuse_reduce, local_reduce=o.local_reduce)

@@ -58,7 +58,7 @@ def check_rows(out_u16, w, s, x, rows, S):
 
 # build variants (results must not depend on them). QMK_GEMV_M1 picks the M = 1 kernel (0: the general kernel,
 # 1: *_m1 cp.async ring, 2: *_m1r register tile, 3: *_m1t* TMA ring; default: the rule of discrete/gemv.py).
-# What the other GEMV knobs measured (ring depth QMK_GEMV_RING_MAX, L2 hint QMK_GEMV_CP_L2, QMK_GEMV_X_MASK) is in
+# What the other GEMV knobs measured (ring depth QMK_GEMV_RING_MAX, the ring's L2 hint, QMK_GEMV_X_MASK) is in
 # bench/EXPERIMENTS.md.
 VARIANTS = {"noM1": {"QMK_GEMV_M1": 0}, "m1ring": {"QMK_GEMV_M1": 1}, "m1reg": {"QMK_GEMV_M1": 2},
             "m1tma": {"QMK_GEMV_M1": 3}, "tma_kpb2": {"QMK_GEMV_M1": 3, "QMK_GEMV_TMA_KPB": 2},

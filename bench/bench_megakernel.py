@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     from discrete.weights_gpu import WeightsGPU
     from loader.config import preset
     from loader.synthetic import SyntheticWeights
-    from megakernel.runner import DEFAULT_DEFER, DEFAULT_FUSE, Megakernel, compare_steps
+    from assembler.options import PROGRAM
+    from megakernel.runner import Megakernel, compare_steps
     from megakernel.timings import collect
 
     cfg, N, ctx = preset(a.preset), a.steps, a.context
@@ -49,10 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     gb = DecodeStep(cfg, w, cap, 1, debug_logits=True)
     mk = Megakernel(gb)                # default: GDN per value head
     mk3 = Megakernel(gb, gdn_split=1)  # the program as assembled (GDN per key head)
-    mkr = Megakernel(gb, fuse_reduce=not DEFAULT_FUSE)  # the other split-K reduce program
+    mkr = Megakernel(gb, fuse_reduce=not PROGRAM.fuse_reduce)  # the other split-K reduce program
     rname = "fused_reduce" if mkr.fuse_reduce else "reduce_instr"
-    mkd = Megakernel(gb, defer_reduce=not DEFAULT_DEFER)  # residual reduces deferred or as GEMV_REDUCE stages
-    dname = "no_defer" if DEFAULT_DEFER else "defer_reduce"
+    mkd = Megakernel(gb, defer_reduce=not PROGRAM.defer_reduce)  # residual reduces deferred or as GEMV_REDUCE stages
+    dname = "no_defer" if PROGRAM.defer_reduce else "defer_reduce"
     print(f"setup {time.perf_counter() - t0:.1f} s; program {mk.program.stats()}", flush=True)
     for s in (ga, gb):
         s.poison()

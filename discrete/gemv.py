@@ -135,7 +135,7 @@ class Gemv:
     [N, K] with ``scale=None`` (scale 1). N a multiple of 16, K of 128. ``epilogue``: "store" or "residual"
     (out [M, N]) or "swiglu" (fused [gate; up] weight of 2F rows, out [M, F]). ``split`` defaults to
     ``split_k(N, K)``. ``defines``: extra compile-time ``QMK_*`` knobs (e.g. QMK_GEMV_RING_MAX,
-    QMK_GEMV_STAGES, QMK_PDL_PREFETCH_UNITS; results do not depend on them). ``pdl``: launch through
+    QMK_GEMV_STAGES: docs/knobs.md; results do not depend on them). ``pdl``: launch through
     ``discrete.launch`` with programmatic stream serialization (may start while the previous kernel drains;
     same bits). ``norm_weight``: uint16 [K] (bf16 bits of a (1+w) RMSNorm weight): every call then takes the
     un-normed x and runs on RMSNorm(x) computed in the launch's prologue (bit-identical to ``qmk_rmsnorm_rows``

@@ -297,9 +297,9 @@ class CpuVmExecutor(Executor):
     CpuExecutor).
 
     Prefill: the reference's chunked prefill (GDN chunks of 64 anchored at the call's first token).
-    Decode (``decode="vm"``, the default): the assembled decode program run by the CPU VM
-    (``assembler.pyvm.VM.run_step``, scheduled for ``vm_sms`` SMs; the SM count changes the slicing, never the
-    bits), which equals the reference decode bit for bit; ``decode="reference"`` calls
+    Decode (``decode="vm"``, the default): the decode program the GPU runs (``assembler.options.PROGRAM``, GDN
+    steps split as the megakernel runner splits them) run by the CPU VM (``assembler.pyvm.VM.run_step``,
+    scheduled for ``vm_sms`` SMs; the SM count changes the slicing, never the bits), which equals the reference decode bit for bit; ``decode="reference"`` calls
     ``ReferenceModel.decode`` instead. ``detail`` names the path taken. The VM widens every weight to float64
     once (about 0.5 GB for tiny, derived: lm_head 248,320 × 256 × 8 B), in a throwaway step at construction,
     so it never lands in a generation's timings. Slots are independent ``ModelState`` objects of ``capacity`` tokens.
@@ -323,15 +323,21 @@ class CpuVmExecutor(Executor):
         if decode not in ("vm", "reference"):
             raise ValueError(f"cpu-vm executor: decode must be 'vm' or 'reference', got {decode!r}")
         self.vm = None
+        self.program_options = None  # the decode program's options (assembler/options.py), with decode="vm"
         if decode == "vm":
-            from assembler.graph import decode_graph
+            from assembler.options import PROGRAM
             from assembler.pyvm import VM
-            from assembler.scheduler import schedule
+            from assembler.scheduler import assemble
+            from megakernel.runner import split_gdn
 
-            self.vm = VM(schedule(decode_graph(cfg), vm_sms), weights)
+            opts = PROGRAM.for_rows(1)
+            prog = assemble(cfg, 1, vm_sms, opts)
+            parts = opts.gdn_parts(cfg)
+            self.vm = VM(split_gdn(prog, parts) if parts > 1 else prog, weights)
+            self.program_options = opts.as_dict(cfg)
             # One throwaway step now: the VM widens weights on first use, which would land in the first decode.
             self.vm.run_step(self.model.new_state(1), [0])
-            step = f"CPU VM decode program ({vm_sms} SM)"
+            step = f"CPU VM decode program ({vm_sms} SM; the GPU's program form)"
         else:
             step = "reference decode step"
         self.detail = f"cpu-vm: NumPy reference prefill (chunked GDN, chunk 64) + {step}"

@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from assembler.numerics import MAX_ROWS
+from assembler.options import PROGRAM
 from loader.config import FULL, ModelConfig
 from megakernel.build import (COUNTER_SEED, LAYER_DTYPE, MK_DIR, PARAMS_DTYPE, PREFETCH, RING_MAX, SMEM_LIMIT,
                               SOURCE, WEIGHT_DTYPE, kernel_defines, load, ring_slots)
@@ -36,12 +37,10 @@ __all__ = ["COUNTER_SEED", "DEFAULT_DEFER", "DEFAULT_FUSE", "DEFAULT_LOCAL", "ER
            "build_program", "compare_steps", "compile_defines", "mk_defines", "program_words", "ring_slots",
            "split_gdn", "stage_lengths"]
 
-DEFAULT_FUSE = False  # Megakernel's default program: GEMV_REDUCE instructions (the fused tail measured slower)
-# residual split-K reduces in the consumers' prologues (graph.defer_reduces) for 1-row programs; at M rows
-# every consumer instruction re-reads S·M·K partials (M = 8, 27B: ≈ 1.3 MB each), so M > 1 keeps GEMV_REDUCE
-DEFAULT_DEFER = True
-# split-K in-projections reduced on their own instructions in shared memory (scheduler local_reduce)
-DEFAULT_LOCAL = True
+# the default program's form: assembler/options.py PROGRAM (why each is what it is: its docstring)
+DEFAULT_FUSE = PROGRAM.fuse_reduce  # GEMV_REDUCE instructions (the fused tail measured slower)
+DEFAULT_DEFER = PROGRAM.defer_reduce  # residual split-K reduces in the consumers' prologues, 1-row programs only
+DEFAULT_LOCAL = PROGRAM.local_reduce  # split-K in-projections reduced on their own instructions
 
 
 def compile_defines(cfg: ModelConfig) -> list[dict]:
@@ -111,7 +110,7 @@ class Megakernel:
         self.program = build_program(cfg, self.m, self.num_sms, layer_limit, self.fuse_reduce, self.defer_reduce,
                                      self.local_reduce)
         if gdn_split is None:  # default: every value head its own GDN_STEP (measured faster on the 27B)
-            gdn_split = cfg.gdn_head_group
+            gdn_split = PROGRAM.gdn_parts(cfg)
         if gdn_split > 1:
             self.program = split_gdn(self.program, gdn_split)
         words = program_words(self.program, nop, drop_wait)

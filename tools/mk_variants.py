@@ -26,31 +26,34 @@ PRESET, CTX = "qwen3.5-27b", 1024
 
 
 def variants() -> list[tuple[str, bool, dict]]:
-    """(name, fuse_reduce, extra defines) in timing order; the first is the default build, each other one turns
-    one default off (or a candidate on). Defines starting with ``_`` are program knobs, not compiler defines."""
+    """(name, fuse_reduce, extra defines) in timing order; the first is the default build (program options:
+    assembler/options.py PROGRAM), each other one turns one default off (or a candidate on). Defines starting with
+    ``_`` are program knobs, not compiler defines."""
+    from assembler.options import PROGRAM
+    F = PROGRAM.fuse_reduce
     return [
-        ("default", False, {}),
-        ("fused", True, {}),
+        ("default", F, {}),
+        ("fused" if not F else "unfused", not F, {}),
         # residual split-K reduces in the consumers' prologues (the default) or as GEMV_REDUCE stages
-        ("no_defer", False, {"_defer_reduce": 0}),
+        ("no_defer", F, {"_defer_reduce": 0}),
         # the GDN step's conv inputs sized for M rows (the M = 1 build's default: 1 row), the GDN step's norm taken
         # from xn when its SM's in-projection left it there, ARGMAX with 16-byte loads in flight
-        ("gdn_mr8", False, {"QMK_MK_GDN_MR": 8}),
-        ("no_xn_reuse", False, {"QMK_MK_XN_REUSE": 0}),
-        ("argmax_scalar", False, {"QMK_MK_ARGMAX_VEC": 0, "QMK_MK_KEYS": 0}),
+        ("gdn_mr8", F, {"QMK_MK_GDN_MR": 8}),
+        ("no_xn_reuse", F, {"QMK_MK_XN_REUSE": 0}),
+        ("argmax_scalar", F, {"QMK_MK_ARGMAX_VEC": 0, "QMK_MK_KEYS": 0}),
         # the in-projections reduced on their own instructions (scheduler local_reduce), the head's per-SM best keys
         # for the ARGMAX, the GDN state copied to shared memory before the step's wait
-        ("no_local", False, {"_local_reduce": 0}),
-        ("no_keys", False, {"QMK_MK_KEYS": 0}),
-        ("gdn_state_prefetch", False, {"QMK_MK_GDN_STATE_PREFETCH": 1}),  # rejected: +0.15 ms (bench/EXPERIMENTS.md)
+        ("no_local", F, {"_local_reduce": 0}),
+        ("no_keys", F, {"QMK_MK_KEYS": 0}),
+        ("gdn_state_prefetch", F, {"QMK_MK_GDN_STATE_PREFETCH": 1}),  # rejected: +0.15 ms (bench/EXPERIMENTS.md)
         # not yet measured: gate|up grouped per down split, down split j waiting only on its group and cut by when
         # its group ends (graph mlp_groups; est_step −0.19 ms)
-        ("mlp_groups", False, {"_mlp_groups": 1}),
+        ("mlp_groups", F, {"_mlp_groups": 1}),
         # the counter protocol (sync.cuh, mk_wait_all); the default is fence 0, acquire polls, no sleep
-        ("sync_fence_poll_spin", False, {"QMK_MK_BUMP_FENCE": 1, "QMK_MK_POLL_ACQUIRE": 0, "QMK_MK_SPIN_NS": 32}),
-        ("bump_fence", False, {"QMK_MK_BUMP_FENCE": 1}),
-        ("poll_relaxed", False, {"QMK_MK_POLL_ACQUIRE": 0}),
-        ("spin32", False, {"QMK_MK_SPIN_NS": 32}),
+        ("sync_fence_poll_spin", F, {"QMK_MK_BUMP_FENCE": 1, "QMK_MK_POLL_ACQUIRE": 0, "QMK_MK_SPIN_NS": 32}),
+        ("bump_fence", F, {"QMK_MK_BUMP_FENCE": 1}),
+        ("poll_relaxed", F, {"QMK_MK_POLL_ACQUIRE": 0}),
+        ("spin32", F, {"QMK_MK_SPIN_NS": 32}),
     ]
 
 
@@ -58,6 +61,7 @@ def _megakernel(runner, Megakernel, step, fuse_reduce: bool, x: dict, defines):
     """One variant's Megakernel; program knobs: ``_defer_reduce``, ``_local_reduce``, ``_mlp_groups`` (the graph's
     DEFAULT_MLP_GROUPS while it is built, runner.build_program's cache cleared around it: its key omits it)."""
     from assembler import graph
+    from assembler.options import PROGRAM
     old = graph.DEFAULT_MLP_GROUPS
     grp = bool(x.get("_mlp_groups", old))
     if grp != old:
@@ -66,7 +70,7 @@ def _megakernel(runner, Megakernel, step, fuse_reduce: bool, x: dict, defines):
     try:
         return Megakernel(step, fuse_reduce=fuse_reduce, defines=defines,
                           defer_reduce=None if "_defer_reduce" not in x else bool(x["_defer_reduce"]),
-                          local_reduce=bool(x.get("_local_reduce", runner.DEFAULT_LOCAL)))
+                          local_reduce=bool(x.get("_local_reduce", PROGRAM.local_reduce)))
     finally:
         if grp != old:
             graph.DEFAULT_MLP_GROUPS = old

@@ -11,12 +11,10 @@ qmk_gdn_decode(const mx_u16* __restrict__ qkv, const mx_u16* __restrict__ z, con
                const mx_u16* __restrict__ norm_w, mx_u16* __restrict__ ring, float* __restrict__ state,
                mx_u16* __restrict__ out, const int* __restrict__ pos_ptr, int M) {
     __shared__ MxGdnSmem sm;
-    MX_GDN_STAMP(0);
     qmk_pdl_launch_dependents();
     MxGdnPre pre;  // the head's weights: loads issued before the wait (pdl.cuh's rule: weights only)
     mx_gdn_prefetch(w_a, w_b, a_log, dt_bias, conv_w, norm_w, blockIdx.x, pre);
     qmk_pdl_wait();
-    MX_GDN_STAMP(1);
     mx_gdn_step_head_pre<MX_GDN_CPW>(qkv, z, hn, ring, state, out, *pos_ptr, M, blockIdx.x, pre, sm);
 }
 
@@ -59,8 +57,9 @@ qmk_gdn_prefill_in(const mx_u16* __restrict__ qkv, const mx_u16* __restrict__ z,
     MxGdnPre pre;
     mx_gdn_prefetch(w_a, w_b, a_log, dt_bias, conv_w, norm_w, j, pre);
     mx_gdn_rows_in<2, QMK_MAX_ROWS, 0>(qkv + (size_t)t0 * QMK_GDN_CONV_DIM, z + (size_t)t0 * QMK_GDN_VALUE_DIM,
-                      hn + (size_t)t0 * QMK_HIDDEN, ring, nullptr, nullptr, pos + t0, M, j, pre, sm, t0, false, threadIdx.x,
-                      threadIdx.x & 31, threadIdx.x >> 5, j / QMK_GDN_HEAD_GROUP, (j % QMK_GDN_HEAD_GROUP) == 0);
+                                       hn + (size_t)t0 * QMK_HIDDEN, ring, nullptr, nullptr, pos + t0, M, j, pre, sm,
+                                       t0, false, threadIdx.x, threadIdx.x & 31, threadIdx.x >> 5,
+                                       j / QMK_GDN_HEAD_GROUP, (j % QMK_GDN_HEAD_GROUP) == 0);
     float4* dst = rows + ((size_t)blockIdx.x * QMK_GDN_NV + j) * MX_GDN_ROWS_F4;
     const float4* a = reinterpret_cast<const float4*>(&sm);
     for (int e = threadIdx.x; e < MX_GDN_IN_F4; e += MX_GDN_THREADS) dst[e] = a[e];

@@ -71,15 +71,6 @@ struct MxGdnSmem {
 // softplus in float64 with torch's threshold 20, rounded to fp32 (reference gdn_gates)
 __device__ __forceinline__ float mx_softplus(float x) { const double d = x; return d > 20.0 ? x : (float)log1p(exp(d)); }
 
-// Probe builds only (bench/probes/mixer_probe.py --stamps defines QMK_GDN_STAMPS): SM clock at the end of each
-// phase, thread 0 of block 0, into qmk_gdn_stamps[k].
-#ifdef QMK_GDN_STAMPS
-__device__ long long qmk_gdn_stamps[16];
-#define MX_GDN_STAMP(k) do { if (blockIdx.x == 0 && threadIdx.x == 0) qmk_gdn_stamps[k] = clock64(); } while (0)
-#else
-#define MX_GDN_STAMP(k) do { } while (0)
-#endif
-
 // The weights of value head j a step reads, loaded into registers before its inputs exist: the discrete wrapper
 // issues this before its PDL wait (the loads fly while the predecessor drains), the megakernel right before the
 // step. Per thread: the 4 conv taps of channel tid (tid < MX_GDN_CH); in_proj_a/b lane chunks of the warp's
@@ -159,7 +150,6 @@ __device__ __forceinline__ void mx_gdn_rows_in(const mx_u16* __restrict__ qkv, c
     if (zrow < M) zv = *reinterpret_cast<const uint2*>(z + (size_t)zrow * QMK_GDN_VALUE_DIM + (size_t)j * QMK_GDN_DV + lane * 4);
     float A = 0.0f;  // -fp32(exp(A_log)) (the decay lanes need it; computed while the loads fly)
     if (warp == MX_GDN_WARPS - 1) A = -(float)exp((double)mx_bf2f(pre.alog));
-    MX_GDN_STAMP(2);
 
     // A1: 4-tap conv + silu of channel c for every row; the ring gets this launch's inputs
     if (c < MX_GDN_CH) {
@@ -178,7 +168,6 @@ __device__ __forceinline__ void mx_gdn_rows_in(const mx_u16* __restrict__ qkv, c
             if (ring_write && (c >= 2 * QMK_GDN_DK || writes_qk)) ring[(size_t)((pos + i) % QMK_CONV_RING) * QMK_GDN_CONV_DIM + ch] = xin[3 + i];
         }
     }
-    MX_GDN_STAMP(3);
     // A2: in_proj_a / in_proj_b rows j: per 128-column block a float64 dot (the warp's K-blocks, weights in
     // registers); a row's activation chunks are loaded together, its 2·KBPW warp sums run interleaved
     for (int i = 0; i < M; ++i) {
@@ -219,9 +208,7 @@ __device__ __forceinline__ void mx_gdn_rows_in(const mx_u16* __restrict__ qkv, c
         f.x = mx_u2_bf(pre.nw, 0); f.y = mx_u2_bf(pre.nw, 1); f.z = mx_u2_bf(pre.nw, 2); f.w = mx_u2_bf(pre.nw, 3);
         sm.zs[QMK_MAX_ROWS][lane] = f;
     }
-    MX_GDN_STAMP(4);
     __syncthreads();
-    MX_GDN_STAMP(5);
     // A3: l2norm of q, k (fp32, HF v5: after the cast), q / sqrt(d_k); gates: decay on the last warp, beta on the
     // one before (both after their l2norm task, if any), in parallel
     if (warp < 2 * M) {
@@ -251,14 +238,13 @@ __device__ __forceinline__ void mx_gdn_rows_in(const mx_u16* __restrict__ qkv, c
         }
     }
     __syncthreads();
-    MX_GDN_STAMP(6);
 }
 
 // Phase B: the recurrence over the M rows for NC state columns col0 .. col0+NC-1 of the head, held by this warp in S
 // (lane l: keys 4l .. 4l+3 of each; S read and left in registers); lane 0 writes the bf16 value of column col's
-// S^T q of row i to sm.o[i][col] (TO_SM: the step) or og[i * og_stride + col] (prefill). Inputs from sm (qk, v, decay, beta) as phase A leaves them. A column's
-// result depends on nothing but its own state and the row inputs: any split of the columns over warps and blocks
-// gives the same bits.
+// S^T q of row i to sm.o[i][col] (TO_SM: the step) or og[i * og_stride + col] (prefill). Inputs from sm (qk, v,
+// decay, beta) as phase A leaves them. A column's result depends on nothing but its own state and the row inputs:
+// any split of the columns over warps and blocks gives the same bits.
 template <int NC, int CH, bool TO_SM>
 __device__ __forceinline__ void mx_gdn_rows_recur(float4 (&S)[NC], MxGdnSmem& sm, int M, int col0, int lane,
                                                   float* __restrict__ og = nullptr, int og_stride = 0) {
@@ -353,11 +339,8 @@ __device__ __forceinline__ void mx_gdn_step_head_pre(const mx_u16* __restrict__ 
     mx_gdn_rows_recur<MX_GDN_CPW, CH, true>(S, sm, M, warp * MX_GDN_CPW, lane);
 #pragma unroll
     for (int c = 0; c < MX_GDN_CPW; ++c) *reinterpret_cast<float4*>(st + c * QMK_GDN_DK) = S[c];
-    MX_GDN_STAMP(7);
     __syncthreads();
-    MX_GDN_STAMP(8);
     mx_gdn_rows_out(sm, out, M, j, lane, warp);
-    MX_GDN_STAMP(9);
 }
 
 // The whole step of value head j (prefetch, then the step, one column's sums at a time): the megakernel's form.

@@ -26,9 +26,7 @@
 #pragma once
 #include "gemv.cuh"
 
-#ifndef QMK_GEMM_STAGES
 #define QMK_GEMM_STAGES 3  // K-blocks in flight: 3 × 48 KB, + 64 KB of split-K totals, fit 227 KB
-#endif
 
 template <int BN_, int BM_, int WN_, int WM_, int STAGES_>
 struct QmkGemmTile {

@@ -9,9 +9,7 @@
 #include "norm.cuh"
 #include "pdl.cuh"
 
-#ifndef QMK_PDL_PREFETCH_UNITS
-#define QMK_PDL_PREFETCH_UNITS 2  // weight units (2 KB per warp each) prefetched into L2 before the wait; 0 = none
-#endif
+#define QMK_PDL_PREFETCH_UNITS 2  // weight units (2 KB per warp each) prefetched into L2 before the wait
 
 // L2 prefetch of units u0 .. u0 + QMK_PDL_PREFETCH_UNITS - 1 (clamped to the task) of warp w's first task of
 // slice sl: the lines qmk_gemv_load_unit reads (rows g and g + 8, 128 B each); lane (g, c) takes units u0 + c,
@@ -19,7 +17,6 @@
 template <int WK>
 __device__ __forceinline__ void qmk_gemv_pdl_prefetch(const void* W, const qmk_u16* scale, int K, int S,
                                                       QmkGemvSlice sl) {
-#if QMK_PDL_PREFETCH_UNITS > 0
     constexpr int UPK = QmkGemvTraits<WK>::UPK, ES = QmkGemvTraits<WK>::ESIZE;
     const int t = sl.task_start + (int)(threadIdx.x >> 5);
     if (t >= sl.task_end) return;
@@ -37,7 +34,6 @@ __device__ __forceinline__ void qmk_gemv_pdl_prefetch(const void* W, const qmk_u
     }
     if (WK == QMK_W_FP8 && lane == 0)
         qmk_prefetch_l2(scale + (size_t)(tile * QMK_ROW_TILE / QMK_KBLK) * (K / QMK_KBLK) + u0);
-#endif
 }
 
 // W [N, K] e4m3, scale [ceil(N/128), K/128] bf16, x [M, K] bf16, slices [grid] task ranges → P [S, M, N] fp32.
@@ -84,9 +80,7 @@ gemv_fp8_partial_m1r(const qmk_u8* __restrict__ W, const qmk_u16* __restrict__ s
 // each thread more registers (measured: +1-2 points against the same loop in 896-thread blocks).
 // Dynamic shared memory: na · R · (2048 · KPB + 8) + 128 bytes. The first R − 1 boxes per warp are issued before
 // the PDL wait (weights only), so a kernel launched early fills its ring while its predecessor drains.
-#ifndef QMK_GEMV_TMA_WARPS
 #define QMK_GEMV_TMA_WARPS 20  // discrete/gemv.py TMA_WARPS
-#endif
 __device__ __forceinline__ qmk_u32 qmk_gemv_tma_smem_base(const void* dyn) {
     return ((qmk_u32)__cvta_generic_to_shared(dyn) + 127u) & ~127u;
 }

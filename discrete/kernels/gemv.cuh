@@ -22,12 +22,8 @@
 #pragma once
 #include "common.cuh"
 
-#ifndef QMK_GEMV_WARPS
 #define QMK_GEMV_WARPS 28       // fp8 kernel: one 896-thread block per SM (72 registers); 27B needs ≤ 28 tasks per SM
-#endif
-#ifndef QMK_GEMV_BF16_WARPS
 #define QMK_GEMV_BF16_WARPS 24  // bf16 kernel: 768 threads (its K-block is 4 KB per warp: more registers)
-#endif
 #define QMK_KBLK 128
 #define QMK_ROW_TILE 16
 #define QMK_MAX_ROWS 8
@@ -276,16 +272,7 @@ __device__ __forceinline__ qmk_u16 qmk_gemv_epilogue(int epi, const float* P, in
 // ≤ 10 units)
 #define QMK_GEMV_RING_MAX 0
 #endif
-#ifndef QMK_GEMV_CP_L2
-#define QMK_GEMV_CP_L2 256        // L2 prefetch-size hint of the ring's cp.async (0, 128 or 256 bytes)
-#endif
-#if QMK_GEMV_CP_L2 == 256
-#define QMK_GEMV_CP_OP "cp.async.cg.shared.global.L2::256B"
-#elif QMK_GEMV_CP_L2 == 128
-#define QMK_GEMV_CP_OP "cp.async.cg.shared.global.L2::128B"
-#else
-#define QMK_GEMV_CP_OP "cp.async.cg.shared.global"
-#endif
+#define QMK_GEMV_CP_OP "cp.async.cg.shared.global.L2::256B"  // the ring's cp.async, 256-byte L2 prefetch hint
 
 // 16 bytes global → shared (shared-window address), bypassing L1.
 __device__ __forceinline__ void qmk_cp_async16(qmk_u32 dst, const void* src) {
@@ -395,15 +382,7 @@ __device__ __forceinline__ void qmk_gemv_tile_ring(float (&acc)[4], const void* 
 // fixed split order and rounding as gemv_reduce, so the outputs are bit-identical. The last warp resets the
 // counter to 0 for the next launch. counters: uint32 [output tiles], zero before the first launch.
 // out [M, Nout] bf16 (Nout = N, or N/2 for swiglu); resid [M, N] bf16 or null, may alias out.
-#ifndef QMK_GEMV_FINISH_CALL
-#define QMK_GEMV_FINISH_CALL 0  // 1: the fused tail as a real call (__noinline__), out of the streaming loop's code
-#endif
-#if QMK_GEMV_FINISH_CALL
-__device__ __noinline__
-#else
-__device__ __forceinline__
-#endif
-void qmk_gemv_finish_tile(const float* P, int S, int M, int N, int epi, int tile, unsigned int* counters,
+__device__ __forceinline__ void qmk_gemv_finish_tile(const float* P, int S, int M, int N, int epi, int tile, unsigned int* counters,
                           const qmk_u16* resid, qmk_u16* out) {
     const int lane = threadIdx.x & 31;
     const int nt = (epi == QMK_EPI_SWIGLU ? N >> 1 : N) / QMK_ROW_TILE;  // output tiles

@@ -13,12 +13,10 @@
 #ifndef QMK_TOPK
 #define QMK_TOPK 32  // candidates kept; QMK_TOPK² must be a power of two ≤ 1024 (one merge block)
 #endif
-#ifndef QMK_LMH_WARPS
 #ifndef QMK_VALID_VOCAB
 #define QMK_VALID_VOCAB QMK_VOCAB  // ids past it are padding rows (discrete.build.config_defines sets it)
 #endif
 #define QMK_LMH_WARPS 8  // 256-thread blocks, 128 rows each: ~1,940 blocks, scheduled dynamically
-#endif
 #ifndef QMK_LMH_MIN_BLOCKS
 #define QMK_LMH_MIN_BLOCKS 4
 #endif

@@ -6,6 +6,7 @@ import json
 import click
 from click.core import ParameterSource
 
+from assembler.options import PROGRAM
 from host.errors import ExecutorUnavailable
 from loader.config import PRESETS, preset
 
@@ -45,10 +46,11 @@ _PROGRAM_ONLY = {"layer_limit": "--layer-limit", "rows": "--rows", "kind": "--ki
                    "stages (default: the megakernel's default program)")
 @click.option("--mlp-groups/--no-mlp-groups", default=None,
               help="gate|up rows in one group per down split, each down split waiting only on its group and cut by "
-                   "when its group ends (default: the assembler's DEFAULT_MLP_GROUPS, off)")
-@click.option("--gdn-split", type=click.IntRange(min=1), default=1, show_default=True,
+                   "when its group ends (default: the megakernel's default program)")
+@click.option("--gdn-split", type=click.IntRange(min=1), default=None,
               help="split every GDN step over its key head's value heads in this many parts, as the megakernel runner "
-                   "does (its default: the head group, one part per value head; 1 = the program as assembled)")
+                   "does (default: the megakernel's default program, one part per value head; 1 = the program as "
+                   "assembled)")
 @click.option("--verify/--no-verify", "check", default=False,
               help="also run the static verifier (slow for the 27B); its summary goes into the stats ('verified')")
 @click.option("--timings", is_flag=True, help="run the megakernel's default decode program (2 steps) on the GPU with "
@@ -60,8 +62,10 @@ _PROGRAM_ONLY = {"layer_limit": "--layer-limit", "rows": "--rows", "kind": "--ki
               help="with --timings: start position; otherwise the KV context whose attention bytes the stats add")
 def command(preset_name: str, sms: int, fmt: str, layer_limit: int | None, rows: int, kind: str,
             fuse_reduce: bool | None, defer_reduce: bool | None, local_reduce: bool | None,
-            mlp_groups: bool | None, gdn_split: int, check: bool, timings: bool, context: int) -> None:
-    """Print the instruction program of one step and its stats (bytes per SM, imbalance, waits, critical path)."""
+            mlp_groups: bool | None, gdn_split: int | None, check: bool, timings: bool, context: int) -> None:
+    """Print the instruction program of one step and its stats (bytes per SM, imbalance, waits, critical path).
+    Options left out take the program the GPU runs (``assembler.options.PROGRAM.for_rows(rows)``); the options
+    used are printed ('options' in the JSON, an ``# options`` line otherwise)."""
     if timings:
         ctx = click.get_current_context()
         given = []
@@ -80,30 +84,25 @@ def command(preset_name: str, sms: int, fmt: str, layer_limit: int | None, rows:
         from megakernel.timings import run
         click.echo(json.dumps(run(preset_name, steps=2, context=context, num_sms=sms), indent=1))
         return
-    from assembler.graph import mtp_graph, verify_graph
-    from assembler.scheduler import schedule
+    import dataclasses
+
+    from assembler.scheduler import assemble
 
     cfg = preset(preset_name)
     if layer_limit is not None and layer_limit > cfg.num_hidden_layers:
         raise click.BadParameter(f"{layer_limit} > num_hidden_layers ({cfg.num_hidden_layers})", param_hint="--layer-limit")
-    if defer_reduce is None:
-        from megakernel.runner import DEFAULT_DEFER
-        defer_reduce = DEFAULT_DEFER and rows == 1  # the runner's choice (megakernel/runner.py build_program)
-    g = (mtp_graph(cfg, rows, defer_reduce, mlp_groups) if kind == "mtp" else
-         verify_graph(cfg, rows, layer_limit, defer_reduce, mlp_groups))
-    if fuse_reduce is None:
-        from megakernel.runner import DEFAULT_FUSE
-        fuse_reduce = DEFAULT_FUSE
+    given = {"fuse_reduce": fuse_reduce, "defer_reduce": defer_reduce, "local_reduce": local_reduce,
+             "mlp_groups": mlp_groups, "gdn_split": gdn_split}
+    opts = dataclasses.replace(PROGRAM.for_rows(rows), **{k: v for k, v in given.items() if v is not None})
+    gdn_split = opts.gdn_parts(cfg)
     if gdn_split > cfg.gdn_head_group:
         raise click.BadParameter(f"{gdn_split} > the value heads per key head ({cfg.gdn_head_group})",
                                  param_hint="--gdn-split")
-    if local_reduce is None:
-        from megakernel.runner import DEFAULT_LOCAL
-        local_reduce = DEFAULT_LOCAL
-    prog = schedule(g, sms, fuse_reduce, local_reduce=local_reduce)
+    prog = assemble(cfg, rows, sms, opts, layer_limit if kind == "decode" else None, kind)
     if gdn_split > 1:
         from megakernel.runner import split_gdn
         prog = split_gdn(prog, gdn_split)
+    used = opts.as_dict(cfg)
     st = prog.stats(kv_context=context)
     if check:
         from assembler.verify import VerifyError, verify
@@ -114,6 +113,7 @@ def command(preset_name: str, sms: int, fmt: str, layer_limit: int | None, rows:
     if fmt == "json":
         d = json.loads(prog.to_json())
         d["stats"] = st  # the same object as the text dump's stats line (--context, and 'verified' with --verify)
+        d["options"] = used  # the program options it was assembled with (assembler/options.py)
         click.echo(json.dumps(d))
         return
     if fmt == "text":
@@ -126,3 +126,5 @@ def command(preset_name: str, sms: int, fmt: str, layer_limit: int | None, rows:
                + (" as assembled, GDN steps per key head" if gdn_split == 1 else f", GDN steps in {gdn_split} parts")
                + " (per-instruction costs measured on the H200 for the 27B, assembler/program.py"
                + ("; the runner's default splits GDN steps per value head: --gdn-split)" if gdn_split == 1 else ")"))
+    click.echo("# options " + json.dumps(used) + " (assembler/options.py; the megakernel's default program: "
+               + json.dumps(PROGRAM.for_rows(rows).as_dict(cfg)) + ")")

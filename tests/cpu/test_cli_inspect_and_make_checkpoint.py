@@ -36,16 +36,32 @@ def test_inspect_json_keeps_the_verifier_result_and_the_context():
     assert s.exit_code == 0 and json.loads(s.output.splitlines()[0][len("# stats "):]) == st
 
 
+def _dump(out: str) -> tuple[dict, dict]:
+    d = json.loads(out)
+    return d, d.pop("options")
+
+
 def test_inspect_json_without_verify_is_the_program_dump():
+    """Without options, the dump is the program the megakernel runs (assembler.options.PROGRAM: the runner's
+    build_program + split_gdn), with the options it used; a given option changes only that option."""
     from assembler.graph import verify_graph
+    from assembler.options import PROGRAM
     from assembler.scheduler import schedule
-    from megakernel.runner import DEFAULT_DEFER, DEFAULT_FUSE
+    from megakernel.runner import build_program, split_gdn
+    cfg = preset("tiny")
     r = run(["inspect", "--preset", "tiny", "--sms", "7", "--format", "json"])
     assert r.exit_code == 0, r.output
-    assert r.output == schedule(verify_graph(preset("tiny"), 1, None, DEFAULT_DEFER), 7, DEFAULT_FUSE).to_json() + "\n"
-    r = run(["inspect", "--preset", "tiny", "--sms", "7", "--format", "json", "--no-defer-reduce"])
+    d, opts = _dump(r.output)
+    gpu = split_gdn(build_program(cfg, 1, 7), cfg.gdn_head_group)
+    assert d == json.loads(gpu.to_json())
+    assert opts == PROGRAM.for_rows(1).as_dict(cfg) == {"fuse_reduce": False, "defer_reduce": True,
+                                                         "local_reduce": True, "mlp_groups": False, "gdn_split": 3}
+    r = run(["inspect", "--preset", "tiny", "--sms", "7", "--format", "json", "--no-defer-reduce", "--gdn-split", "1"])
     assert r.exit_code == 0, r.output
-    assert r.output == schedule(verify_graph(preset("tiny"), 1, None), 7, DEFAULT_FUSE).to_json() + "\n"
+    d, opts = _dump(r.output)
+    assert d == json.loads(schedule(verify_graph(cfg, 1, None, False), 7, False).to_json())
+    assert opts["defer_reduce"] is False and opts["gdn_split"] == 1 and opts["fuse_reduce"] is False
+    assert d != json.loads(gpu.to_json())  # negative control: the options reach the program
 
 
 @pytest.mark.parametrize("extra", [[], ["--format", "json"], ["--context", "5", "--sms", "3"]],
@@ -79,7 +95,7 @@ def test_inspect_timings_refuses_the_options_it_ignores(extra, named):
 def test_inspect_gdn_split_shows_and_verifies_the_runners_program():
     """--gdn-split K: the program the megakernel runner runs (GDN steps split over value heads), verified
     statically; more parts than value heads per key head is a usage error naming the option."""
-    base = run(["inspect", "--preset", "tiny", "--sms", "7", "--format", "stats"])
+    base = run(["inspect", "--preset", "tiny", "--sms", "7", "--format", "stats", "--gdn-split", "1"])
     r = run(["inspect", "--preset", "tiny", "--sms", "7", "--format", "stats", "--gdn-split", "3", "--verify"])
     assert base.exit_code == 0 and r.exit_code == 0, r.output
     st0 = json.loads(base.output.splitlines()[0].removeprefix("# stats "))

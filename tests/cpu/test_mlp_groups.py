@@ -40,7 +40,7 @@ def test_split_k_gemv_reads_only_its_columns():
     """A split-K GEMV without a prologue reads its split's K columns (megakernel.cu mk_gemv: K-blocks
     [s·per, (s+1)·per) of weight and input); one with a norm prologue reads the whole row (the norm needs it)."""
     cfg = preset("tiny")
-    p = schedule(decode_graph(cfg, layer_limit=1, mlp_groups=True), 7, fuse_reduce=False)
+    p = schedule(decode_graph(cfg, layer_limit=1, defer_reduce=False, mlp_groups=True), 7, fuse_reduce=False)
     assert p.graph.split_reads
     K = cfg.intermediate_size
     S = split_k(cfg.hidden_size, K)
@@ -56,7 +56,7 @@ def test_split_k_gemv_reads_only_its_columns():
         x = p.buffer_id["x.0.mid"]
         assert (x, 0, cfg.hidden_size) in regions(p, ins)[0]
     # without split_reads (the default graph) the whole row: a superset, the programs the H200 ran
-    q = schedule(decode_graph(cfg, layer_limit=1), 7, fuse_reduce=False)
+    q = schedule(decode_graph(cfg, layer_limit=1, defer_reduce=False), 7, fuse_reduce=False)
     assert not q.graph.split_reads
     assert all((act, 0, K) in regions(q, i)[0] for _, _, i in _ins(q, "L0.down"))
 

@@ -63,7 +63,7 @@ def test_overlapping_writes_caught(small):
 
 
 def _fused_program():
-    return schedule(verify_graph(preset("tiny"), 1, layer_limit=2), 7)
+    return schedule(verify_graph(preset("tiny"), 1, layer_limit=2, defer_reduce=False), 7, fuse_reduce=True)
 
 
 def test_fused_reduce_joint_write_rules():
