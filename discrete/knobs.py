@@ -46,7 +46,7 @@ _K = "discrete/kernels/"
 _MK = "megakernel/megakernel.cu"
 _GEMV_BENCH = "bench/bench_gemv.py"
 _VARIANTS = "tools/mk_variants.py"
-_RUNNER = "megakernel/runner.py:mk_defines"
+_RUNNER = "megakernel/build.py:kernel_defines"
 
 KNOBS: tuple[Knob, ...] = (
     # ---------------------------------------------------------------- discrete kernels (shared with the megakernel)
@@ -79,7 +79,7 @@ KNOBS: tuple[Knob, ...] = (
          "the general GEMV kernels' shared-memory weight ring (0: the register-ring tile, measured faster); "
          "discrete/gemv.py reads it from its defines to size the ring"),
     Knob("QMK_TOPK", "knob", "32", "power of two, QMK_TOPK² ≤ 1024", (_K + "lm_head.cuh",),
-         ("discrete/lm_head.py", "megakernel/runner.py:warm_jobs"), "head candidates kept per block for top-k"),
+         ("discrete/lm_head.py", "megakernel/warm.py:warm_jobs"), "head candidates kept per block for top-k"),
     Knob("QMK_LMH_MIN_BLOCKS", "knob", "4", "int ≥ 1", (_K + "lm_head.cuh",), (_GEMV_BENCH,),
          "__launch_bounds__ min blocks of the lm_head kernel; bench_gemv A/Bs 3"),
     Knob("QMK_SAMPLE_THREADS", "knob", "256", "int, multiple of 32", (_K + "sample.cuh",),
@@ -103,13 +103,13 @@ KNOBS: tuple[Knob, ...] = (
          "the other program 0.57 ms/token)"),
     Knob("QMK_MK_PREFETCH", "knob", "0", "0 or 1 (needs QMK_MK_RING ≥ 2)", (_MK,), (_RUNNER,),
          "a GEMV issues its first RING − 1 ring units before waiting for its input"),
-    Knob("QMK_MK_KEYS", "knob", "1", "0 or 1", (_MK,), (_VARIANTS,),
+    Knob("QMK_MK_KEYS", "knob", "1", "0 or 1", ("megakernel/include/mk_gemv.cuh",), (_VARIANTS,),
          "the head keeps per-SM best keys and the ARGMAX reads those (isa.py ARGMAX_KEYS); mk_variants A/Bs 0"),
-    Knob("QMK_MK_ARGMAX_VEC", "knob", "1", "0 or 1", (_MK,), (_VARIANTS,),
+    Knob("QMK_MK_ARGMAX_VEC", "knob", "1", "0 or 1", ("megakernel/include/mk_head.cuh",), (_VARIANTS,),
          "ARGMAX with 16-byte logit loads in flight; mk_variants A/Bs the scalar form"),
-    Knob("QMK_MK_GDN_MR", "knob", "0", "0 or 1..QMK_MAX_ROWS", (_MK,), (_VARIANTS,),
+    Knob("QMK_MK_GDN_MR", "knob", "0", "0 or 1..QMK_MAX_ROWS", ("megakernel/include/mk_gdn.cuh",), (_VARIANTS,),
          "rows the GDN step's registers are sized for (0: 1 in the M = 1 build, else QMK_MAX_ROWS)"),
-    Knob("QMK_MK_GDN_STATE_PREFETCH", "knob", "0", "0 or 1", (_MK,), (_VARIANTS,),
+    Knob("QMK_MK_GDN_STATE_PREFETCH", "knob", "0", "0 or 1", ("megakernel/include/mk_gdn.cuh",), (_VARIANTS,),
          "GDN state copied to shared memory before the step's wait; measured slower, kept as an mk_variants A/B"),
     Knob("QMK_MK_POLL_ACQUIRE", "knob", "1", "0 or 1", (_MK,), (_VARIANTS,),
          "poll counters with acquire loads (0: relaxed polls, then one acquire; measured slower)"),
@@ -124,7 +124,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob("QMK_MK_TIMING", "flag", None, "defined or not", (_MK,), (_RUNNER,),
          "per-instruction globaltimer stamps (megakernel/timings.py, qwen-mk inspect --timings)"),
     Knob("QMK_MKP_SIZE", "flag", None, "int, bytes", ("megakernel/include/mk_params.h",), (_RUNNER,),
-         "static_asserts of the MkParams / MkWeight / MkLayer layout against runner.py's dtypes"),
+         "static_asserts of the MkParams / MkWeight / MkLayer layout against build.py's dtypes"),
     Knob("QMK_MKP_OFF_PAGE_STRIDE", "layout", None, "int, byte offset", ("megakernel/include/mk_params.h",),
          (_RUNNER,), "MkParams.page_stride offset (PARAMS_DTYPE)"),
     Knob("QMK_MKP_OFF_SEED", "layout", None, "int, byte offset", ("megakernel/include/mk_params.h",), (_RUNNER,),
@@ -140,7 +140,7 @@ KNOBS: tuple[Knob, ...] = (
          "header never reuses a stale cached module"),
     # ---------------------------------------------------------------- control block (discrete/control.py layout)
     *(Knob(f"QMK_CTRL_{n}", "layout", None, "int, int32 word index", (),
-           ("discrete/step.py:control_defines",), f"control-block word of '{n.lower()}' (discrete/control.py); "
+           ("discrete/device_state.py:control_defines",), f"control-block word of '{n.lower()}' (discrete/control.py); "
            "passed to finish.cu, read by no source (the kernels use control.h's struct)")
       for n in ("STEP", "POS", "STOP", "MAX_POS", "N_EOS", "EOS", "TOKENS", "OUT", "MAX_EOS")),
     # ---------------------------------------------------------------- Python-only launch choices
