@@ -1,8 +1,9 @@
-"""``qwen-mk bench``: run the benchmark suite, one ``bench/bench_*.py`` module per subprocess.
+"""``qwen-mk bench``: run the benchmark suite, one ``bench/bench_*.py`` module per subprocess; ``qwen-mk bench
+replay ARGS...``: the agent-trajectory replay (``python3 -m bench.replay ARGS...``, docs/replay.md).
 
 The modules are written by the kernel helpers and write JSON under ``bench/results/``; this command only
 finds them, checks for a GPU and runs them in order (``python3 -m bench.<name>``), so a crash in one does
-not hide the others. ``--list`` works without a GPU.
+not hide the others. ``--list`` works without a GPU; so does ``replay`` (its cpu executor needs none).
 """
 from __future__ import annotations
 
@@ -26,13 +27,20 @@ def find_benchmarks(root: Path = ROOT) -> list[str]:
     return sorted(p.stem for p in (root / "bench").glob("bench_*.py"))
 
 
-@click.command()
+@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--list", "list_only", is_flag=True, help="List the benchmark modules and exit.")
 @click.option("--only", multiple=True, help="Run only these modules (repeatable), e.g. bench_gemv.")
 @click.option("--timeout", type=click.IntRange(min=1), default=1800, show_default=True,
               help="Seconds per module (at least 1).")
-def command(list_only, only, timeout):
-    """Run the GPU benchmarks (bench/bench_*.py) and report which passed."""
+@click.argument("sub", nargs=-1, type=click.UNPROCESSED)
+def command(list_only, only, timeout, sub):
+    """Run the GPU benchmarks (bench/bench_*.py) and report which passed; `qwen-mk bench replay ARGS...` runs the
+    agent-trajectory replay (python3 -m bench.replay ARGS..., `qwen-mk bench replay --help`)."""
+    if sub:
+        if sub[0] != "replay":
+            raise click.UsageError(f"unknown subcommand {sub[0]!r}; expected 'replay' (or options only)")
+        from bench.replay import main as replay_main  # bench/ is not imported unless asked for
+        sys.exit(replay_main(list(sub[1:])))
     names = find_benchmarks()
     if list_only:
         click.echo("\n".join(names) if names else "no benchmark modules in bench/")

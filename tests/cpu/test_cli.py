@@ -107,6 +107,13 @@ def test_bench_lists_and_refuses_without_gpu():
     assert r.exit_code == ExecutorUnavailable.exit_code and "need an NVIDIA GPU" in r.stderr
 
 
+def test_bench_replay_is_the_replay_and_other_names_are_refused():
+    r = run(["bench", "replay", "--help"])
+    assert r.exit_code == 0 and "--executors" in r.stdout and "--history" in r.stdout, r.output
+    r = run(["bench", "nosuch"])
+    assert r.exit_code == 2 and "unknown subcommand 'nosuch'" in r.stderr
+
+
 def test_dash_reads_stdin_and_greedy_records_no_seed(fake_engine):
     r = run(["generate", "-", "--json", "--max-new-tokens", "2"], input="Write a haiku about the sea\n")
     assert r.exit_code == 0, r.output
