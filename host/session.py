@@ -40,6 +40,15 @@ def validate_ids(ids: Sequence[int], vocab_size: int, what: str = "prompt", allo
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
         raise InvalidArgument(f"{what}: expected a sequence of integer token ids, got {type(ids).__name__}"
                               + (" (encode text with engine.encode(...) first)" if isinstance(ids, str) else ""))
+    if isinstance(ids, (list, tuple)) and ids and all(type(t) is int for t in ids):
+        # every turn hands the whole conversation (32k ids: ≈ 19 ms in the loop below on the 2-core machine): plain
+        # ints are checked at once; anything out of range falls through to the loop, which names the first bad one
+        try:
+            a = np.fromiter(ids, np.int64, len(ids))
+        except OverflowError:
+            a = None
+        if a is not None and a.min() >= 0 and a.max() < min(vocab_size, FIRST_PADDING_ID):
+            return list(ids)
     out = []
     for i, t in enumerate(ids):
         if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
