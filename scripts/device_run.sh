@@ -11,15 +11,7 @@
 # 600 s); each GPU test is limited to 180 s (pytest-timeout) so a deadlock cannot eat the run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${OUT:?run this on the device machine (OUT unset)}"
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || exit 2
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER QMK_COMMIT="${QMK_COMMIT:-unknown}"
+source scripts/device_env.sh  # $OUT, the carried wheels, the environment
 export PYTEST_ADDOPTS="${PYTEST_ADDOPTS:---timeout=180 --timeout-method=thread}"
 budget=${QMK_RUN_BUDGET_S:-540}
 mkdir -p "$OUT/res"

@@ -15,15 +15,7 @@
 # writes $OUT/replay_<model>_h200.json after every run, so a cut run keeps what it measured ("complete": false).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${OUT:?run this on the device machine (OUT unset)}"
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || exit 2
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER QMK_COMMIT="${QMK_COMMIT:-unknown}"
+source scripts/device_env.sh  # $OUT, the carried wheels, the environment
 parts=("$@"); [[ ${#parts[@]} -eq 0 ]] && parts=(record 27b trained)
 fixture=bench/fixtures/trajectories.json.gz
 status=0

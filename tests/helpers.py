@@ -5,7 +5,8 @@ pieces are in ``tests/gpu/helpers.py``, the tolerance policy in ``tests/toleranc
 * the scripted executor: :class:`HashExecutor`, an engine on it (:func:`hash_engine`) and :func:`drain`;
 * the text layer: one built tokenizer per process (building the tokenizer.json takes ~6 s the first time, loading
   it ~2.5 s), variants for negative controls, and id sequences with non-canonical spellings;
-* scratch checkpoint directories over the cached tiny checkpoint (:func:`checkpoint_dir`).
+* scratch checkpoint directories over the cached tiny checkpoint (:func:`checkpoint_dir`);
+* a ``create_app`` app served on a loopback port in a thread, with an ``openai`` client (:func:`serving`).
 """
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import json
 import os
 import random
 import shutil
+import threading
+from contextlib import contextmanager
 from functools import lru_cache
+from types import SimpleNamespace
 
 import numpy as np
 from click.testing import CliRunner
@@ -196,3 +200,28 @@ def checkpoint_dir(tiny_ckpt, d, config=None, shards=(SHARD,), index=True):
 def tiny_config_json(tiny_ckpt) -> dict:
     """The cached tiny checkpoint's config.json, parsed (a fresh dict to edit)."""
     return json.loads((tiny_ckpt / "config.json").read_text())
+
+
+@contextmanager
+def serving(app):
+    """Serve ``app`` (``host.server.app.create_app``) on a free 127.0.0.1 port in a daemon thread (the server tests'
+    module fixtures). Yields a namespace: ``url`` (``http://127.0.0.1:PORT``), ``srv`` (``app.state.server``),
+    ``client`` (an ``openai.OpenAI`` on ``url/v1``, no retries, 120 s timeout); then asks uvicorn to exit and
+    asserts the thread ended. fastapi, uvicorn and openai are imported here: the callers skip without them."""
+    import openai
+
+    from host.commands.serve import bind, serve_app
+    sock = bind("127.0.0.1", 0)
+    ready = threading.Event()
+    t = threading.Thread(target=serve_app, args=(app, sock), daemon=True,
+                         kwargs=dict(drain_timeout=5, on_ready=lambda h, p: ready.set()))
+    t.start()
+    assert ready.wait(120), "the server did not start"
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        yield SimpleNamespace(url=url, srv=app.state.server,
+                              client=openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120))
+    finally:
+        app.state.uvicorn.should_exit = True
+        t.join(30)
+    assert not t.is_alive()

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 
 import pytest
 
@@ -22,9 +20,9 @@ jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from host.commands.serve import bind, serve_app  # noqa: E402
 from host.engine import Engine  # noqa: E402
 from host.server.app import create_app  # noqa: E402
+from tests.helpers import serving  # noqa: E402
 
 NAME = "tiny-trained"
 WEATHER = {"type": "function", "function": {
@@ -38,19 +36,9 @@ WEATHER = {"type": "function", "function": {
 def served():
     eng = Engine.load(capacity=512, slots=4, quiet=True)
     app = create_app(eng, served_model_name=NAME, max_queue=64)
-    sock = bind("127.0.0.1", 0)
-    ready = threading.Event()
-    t = threading.Thread(target=serve_app, args=(app, sock), daemon=True,
-                         kwargs=dict(drain_timeout=5, on_ready=lambda h, p: ready.set()))
-    t.start()
-    assert ready.wait(120), "the server did not start"
-    port = sock.getsockname()[1]
-    yield SimpleNamespace(url=f"http://127.0.0.1:{port}", srv=app.state.server, engine=eng,
-                          client=openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                                               max_retries=0, timeout=120))
-    app.state.uvicorn.should_exit = True
-    t.join(30)
-    assert not t.is_alive()
+    with serving(app) as srv:
+        srv.engine = eng
+        yield srv
 
 
 @pytest.fixture(scope="module")

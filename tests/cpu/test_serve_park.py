@@ -10,7 +10,6 @@ usage error.
 """
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -19,9 +18,9 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from host.commands.serve import bind, serve_app  # noqa: E402
 from host.engine import Engine  # noqa: E402
 from host.server.app import create_app  # noqa: E402
+from tests.helpers import serving  # noqa: E402
 from host.server.pool import SessionPool  # noqa: E402
 from host.session import render_turn  # noqa: E402
 
@@ -33,19 +32,8 @@ SYSTEM = {"role": "system", "content": "You are a coding assistant. Answer brief
 def served():
     eng = Engine.load(capacity=512, slots=1, quiet=True)
     app = create_app(eng, served_model_name=NAME, max_queue=8, park_memory=1 << 30)
-    sock = bind("127.0.0.1", 0)
-    ready = threading.Event()
-    t = threading.Thread(target=serve_app, args=(app, sock), daemon=True,
-                         kwargs=dict(drain_timeout=5, on_ready=lambda h, p: ready.set()))
-    t.start()
-    assert ready.wait(120), "the server did not start"
-    port = sock.getsockname()[1]
-    yield SimpleNamespace(srv=app.state.server,
-                          client=openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                                               max_retries=0, timeout=120))
-    app.state.uvicorn.should_exit = True
-    t.join(30)
-    assert not t.is_alive()
+    with serving(app) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
