@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from assembler.ref.envelope import GOLDEN_SUFFIX, load_golden
 from bench.harness import commit, cpu_name
 
 GOLDEN = Path(__file__).resolve().parents[1] / "tests" / "golden"
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
 
     load0 = os.getloadavg()
     weights = Checkpoint.open(a.model or ensure_checkpoint("tiny"))
-    prose = np.load(GOLDEN / "oracle_prose.npz")["ids"].astype(np.int64)
+    prose = load_golden(GOLDEN / f"oracle_prose{GOLDEN_SUFFIX}")["ids"].astype(np.int64)
     ids = np.resize(prose, a.prefill)
     check = _check(weights, prose)
     if not check["ok"]:

@@ -6,8 +6,8 @@ is timed. Then, with CUDA events: the graph replayed N times; the megakernel run
 variants: GDN per key head, and ``fuse_reduce=True``, the split-K reduce inside the GEMV instructions); the megakernel one launch per step; the persistent grid driven step by step from the host through mapped
 memory (host round trip included); the NOP program (waits + bumps only: the dependency machinery's floor).
 The weight bytes streamed per token (ModelConfig.weight_bytes_per_token) give the bandwidth column. Writes
-``bench/results/megakernel.json`` and ``bench/results/megakernel_timings.json.gz`` (per-instruction globaltimer
-stamps of one step, QMK_MK_TIMING build; gzip'd JSON, ``zcat`` reads it) under ``--out`` (default bench/results).
+``bench/results/megakernel.json`` and ``bench/results/megakernel_timings.json.xz`` (per-instruction globaltimer
+stamps of one step, QMK_MK_TIMING build; xz'd JSON, ``xzcat`` reads it) under ``--out`` (default bench/results).
 
 ``python3 bench/bench_megakernel.py [--preset qwen3.5-27b] [--context 1024] [--steps 20] [--out DIR]``
 """
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import gzip
 import json
+import lzma
 import sys
 import time
 from pathlib import Path
@@ -131,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"benchmark": "megakernel_timings", **device_meta(), "commit": commit(),
            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "preset": a.preset,
            "context": ctx, "results": [], "timings": data}
-    # ~60k instruction rows (2.6 MB of JSON): gzip'd, mtime 0 so the same stamps give the same bytes
-    (out / "megakernel_timings.json.gz").write_bytes(gzip.compress((json.dumps(doc) + "\n").encode(), 9, mtime=0))
+    # ~60k instruction rows (2.6 MB of JSON): xz'd (325 KB; gzip -9 gave 616 KB), the same stamps give the same bytes
+    (out / "megakernel_timings.json.xz").write_bytes(lzma.compress((json.dumps(doc) + "\n").encode(),
+                                                                   preset=9 | lzma.PRESET_EXTREME))
     kinds = sorted(data["per_op_kind"].items(), key=lambda kv: -kv[1]["run_ns"])
     print("timed step (timing build):", data["step_ns"] / 1e6, "ms;", json.dumps(kinds[:8]), flush=True)
     return 0

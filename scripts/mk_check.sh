@@ -2,7 +2,7 @@
 # Megakernel check on the device (run by the device tool in the repository root with $OUT set), < 4 minutes (45 + 85 + 100 s timeouts):
 # NVRTC warm-up of the megakernel modules, tests/gpu/test_megakernel.py (bit identity vs the graph path, knobs,
 # persistent loop, removed dependency), then bench/bench_megakernel.py on the 27B synthetic preset at a 1k context
-# (megakernel.json + megakernel_timings.json.gz with per-instruction stamps). Everything lands in $OUT.
+# (megakernel.json + megakernel_timings.json.xz with per-instruction stamps). Everything lands in $OUT.
 # Usage: bash scripts/mk_check.sh [--no-bench]
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -1,7 +1,7 @@
 """Refit est_step_ms's GEMV constants (assembler/program.py ``MK_*``) to the megakernel's measured timing build.
 
-``python3 -m tools.cost_fit [--timings bench/results/megakernel_timings.json.gz]`` (CPU; reads the gzip'd JSON
-that ``bench.bench_megakernel`` writes from the QMK_MK_TIMING build on the H200; a plain ``.json`` is read too).
+``python3 -m tools.cost_fit [--timings bench/results/megakernel_timings.json.xz]`` (CPU; reads the xz'd JSON
+that ``bench.bench_megakernel`` writes from the QMK_MK_TIMING build on the H200; ``.gz`` and plain ``.json`` too).
 
 Every GEMV instruction of the timed 27B decode program (the runner's default: GDN steps per value head) is matched
 to its words by (SM, index) — the program is rebuilt here from the same assembler, so a schedule change since the
@@ -17,6 +17,7 @@ import argparse
 import collections
 import gzip
 import json
+import lzma
 import sys
 from pathlib import Path
 
@@ -70,10 +71,11 @@ def model(c: dict, eff8, eff16, kblock, pro: dict) -> np.ndarray:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--timings", default=str(ROOT / "bench" / "results" / "megakernel_timings.json.gz"))
+    ap.add_argument("--timings", default=str(ROOT / "bench" / "results" / "megakernel_timings.json.xz"))
     a = ap.parse_args(argv)
     path = Path(a.timings)
-    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    unpack = {".xz": lzma.decompress, ".gz": gzip.decompress}.get(path.suffix, lambda b: b)
+    text = unpack(path.read_bytes()).decode()
     t = json.loads(text)["timings"]
     x = rows(t)
     c = columns(x)

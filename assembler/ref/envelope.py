@@ -1,6 +1,7 @@
 """Tolerance envelope against the transformers oracle, calibrated on the oracle's own disagreement between its
 prompt path (one forward) and its generation path (one cached forward per token), under teacher forcing.
-Numbers and reasoning: docs/tolerance.md. Goldens: tests/golden/oracle_<prompt>.npz (tests/golden/record.py).
+Numbers and reasoning: docs/tolerance.md. Goldens: tests/golden/oracle_<prompt>.npz.xz (``save_golden``, written by
+tests/golden/record.py).
 
 Per position t of a prompt, with the oracle's top-32 ids I_t of the path compared against:
   d32[t] = max_{i ∈ I_t} |cand[t, i] − oracle[t, i]|   (logit units; bf16 logits)
@@ -12,7 +13,10 @@ sign test (McNemar) on the positions where exactly one of the two disagrees with
 """
 from __future__ import annotations
 
+import io
 import json
+import lzma
+import zipfile
 from dataclasses import asdict, dataclass, field
 from math import comb
 from pathlib import Path
@@ -24,14 +28,27 @@ from assembler.ref.numerics import BF16
 STATS = ("max", "p99", "p50", "mean")
 BUCKETS = ("tie 0", "1 ulp", "2 ulp", "≤ tie bound", "clear")   # margin classes, see margin_bucket
 ALPHA = 1e-3   # one-sided level of each sign test (5 per check, 10 per candidate path: family-wise ≤ 1 %)
+GOLDEN_SUFFIX = ".npz.xz"   # an uncompressed npz, xz-compressed (docs/tolerance.md "How the goldens are stored")
+GOLDEN_BF16 = ("pre_top_vals", "dec_top_vals", "pre_conv0", "pre_conv6", "pre_k", "pre_v")   # stored as uint16
+
+
+def save_golden(path: str | Path, arrays: dict[str, np.ndarray]) -> None:
+    """Write one prompt's golden arrays (bf16 as uint16) as an npz of uncompressed members with a fixed member
+    date, xz-compressed: the same arrays give the same bytes, and ``xz -dc`` gives an npz that ``np.load`` reads."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        for k, a in arrays.items():
+            with z.open(zipfile.ZipInfo(f"{k}.npy", (1980, 1, 1, 0, 0, 0)), "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, np.asanyarray(a), allow_pickle=False)
+    Path(path).write_bytes(lzma.compress(buf.getvalue(), preset=9 | lzma.PRESET_EXTREME))
 
 
 def load_golden(path: str | Path) -> dict:
-    """One prompt's golden arrays (npz → dict; bf16 stored as uint16 come back as bf16)."""
-    z = np.load(path)
-    out = {k: z[k] for k in z.files}
-    for k in list(out):
-        if k.endswith(("_vals", "_full")) or k in ("pre_conv0", "pre_conv6", "dec_conv0", "dec_conv6", "pre_k", "pre_v", "dec_k", "dec_v"):
+    """One prompt's golden arrays (written by ``save_golden``; bf16 stored as uint16 come back as bf16)."""
+    with np.load(io.BytesIO(lzma.decompress(Path(path).read_bytes()))) as z:
+        out = {k: z[k] for k in z.files}
+    for k in GOLDEN_BF16:
+        if k in out:
             out[k] = out[k].view(BF16)
     return out
 
@@ -193,8 +210,8 @@ class Envelope:
 def load_goldens(golden_dir: str | Path, names=None) -> dict[str, dict]:
     """All (or the named) oracle goldens under ``golden_dir``, keyed by prompt name."""
     out = {}
-    for p in sorted(Path(golden_dir).glob("oracle_*.npz")):
-        n = p.stem[len("oracle_"):]
+    for p in sorted(Path(golden_dir).glob(f"oracle_*{GOLDEN_SUFFIX}")):
+        n = p.name[len("oracle_"):-len(GOLDEN_SUFFIX)]
         if names is None or n in names:
             out[n] = load_golden(p)
     return out

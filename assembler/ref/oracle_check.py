@@ -23,9 +23,8 @@ LM_BATCH = 128      # rows per batched lm_head GEMM (exact per row, so batching 
 
 
 def _gather(model, hidden: np.ndarray, golden: dict, rows: np.ndarray) -> dict:
-    """Logits at the oracle's top-32 ids of both paths + full argmax + full rows at golden['full_pos']."""
-    out = {"pre": [], "dec": [], "argmax": [], "full": {}}
-    full_pos = set(int(p) for p in golden["full_pos"])
+    """Logits at the oracle's top-32 ids of both paths + full-vocabulary argmax."""
+    out = {"pre": [], "dec": [], "argmax": []}
     for a in range(0, len(rows), LM_BATCH):
         r = rows[a:a + LM_BATCH]
         lg = model.logits(hidden[a:a + LM_BATCH])
@@ -33,16 +32,12 @@ def _gather(model, hidden: np.ndarray, golden: dict, rows: np.ndarray) -> dict:
         for path in ("pre", "dec"):
             out[path].append(np.take_along_axis(lf, golden[f"{path}_top_ids"][r].astype(np.int64), -1))
         out["argmax"].append(ops.argmax(lg))
-        for i, t in enumerate(r):
-            if int(t) in full_pos:
-                out["full"][int(t)] = lf[i]
-    return {"pre": np.concatenate(out["pre"]), "dec": np.concatenate(out["dec"]),
-            "argmax": np.concatenate(out["argmax"]), "full": out["full"]}
+    return {k: np.concatenate(v) for k, v in out.items()}
 
 
 def run_reference(model, golden: dict, path: str, upto: int | None = None) -> dict:
     """Teacher-forced run of ``path`` ('prefill' or 'decode') over the first ``upto`` prompt tokens.
-    Returns {'pre': [T, 32], 'dec': [T, 32], 'argmax': [T], 'full': {pos: [V]}, 'state': ModelState}."""
+    Returns {'pre': [T, 32], 'dec': [T, 32], 'argmax': [T], 'state': ModelState}."""
     ids = golden["ids"].astype(np.int64)[:upto]
     st = model.new_state(len(ids) + 8)
     if path == "prefill":

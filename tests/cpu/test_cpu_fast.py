@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from assembler.ref.envelope import GOLDEN_SUFFIX, load_golden
 from assembler.ref.numerics import BF16, f32, f64
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
@@ -28,7 +29,7 @@ def weights(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def ids():
-    return np.load(GOLDEN / "oracle_prose.npz")["ids"].astype(np.int64)[:PROMPT + DECODE + VERIFY]
+    return load_golden(GOLDEN / f"oracle_prose{GOLDEN_SUFFIX}")["ids"].astype(np.int64)[:PROMPT + DECODE + VERIFY]
 
 
 def _run(model, ids) -> np.ndarray:

@@ -7,12 +7,14 @@ checkpoint (``--model qwen3.5-tiny-trained``; goldens in ``tests/golden/trained`
 transformers 5.24 falls back to dequantising but, for this checkpoint layout, drops the scales, so we apply them).
 For every prompt of ``prompts.json`` (chat template + tokenizer of the checkpoint) two paths are run under teacher
 forcing: ``prefill`` (one forward over the prompt) and ``decode`` (first token alone, then one cached forward per
-token). Stored per prompt in ``oracle_<name>.npz`` (bf16 as uint16): top-32 ids/values at every position per
-path, argmax, prefill-path full logits at 3 positions (decode path too for DEC_FULL_PROMPTS), the oracle's
-self-disagreement per position, and for STATE_PROMPTS the final GDN recurrent (fp32)/conv state of layers
-STATE_LAYERS and KV rows of layer KV_LAYER per path. ``manifest.json`` records versions, the weight fingerprint
-and the recurrent-state dtype seen in the cache. Cost (measured 2026-11-29 on the shared 2-core CPU, 3 processes):
-~15 min wall for the 9 prompts; use one torch thread (two threads ran ~30× slower per step under load).
+token). Stored per prompt in ``oracle_<name>.npz.xz`` (``assembler.ref.envelope.save_golden``; bf16 as uint16),
+only what the tests read: top-32 ids/values at every position per path, argmax per path, the oracle's
+self-disagreement d32 per position, and for STATE_PROMPTS of the synthetic checkpoint (the state test of
+tests/cpu/test_ref_vs_oracle.py) the prefill path's final GDN recurrent (fp32)/conv state of layers STATE_LAYERS
+and KV rows of layer KV_LAYER, with the oracle's largest prefill-vs-decode difference of each GDN state
+(``self_rec<i>``, ``self_conv<i>``: the bound that test applies). ``manifest.json`` records versions, the
+weight fingerprint, the largest full-vocabulary self-disagreement and the recurrent-state dtype seen in the cache.
+Cost (measured 2026-11-29 on the shared 2-core CPU, 3 processes): ~15 min wall for the 9 prompts; use one torch thread (two threads ran ~30× slower per step under load).
 """
 from __future__ import annotations
 
@@ -25,11 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
+from assembler.ref.envelope import GOLDEN_SUFFIX, save_golden
+from assembler.ref.numerics import BF16
+
 HERE = Path(__file__).resolve().parent
 TOPK = 32
 STATE_LAYERS = (0, 6)          # first and last GDN layer of the tiny preset
-STATE_PROMPTS = ("prose",)     # GDN state / KV recorded for these prompts only (size budget ~15 MB)
-DEC_FULL_PROMPTS = ("sanity",)  # decode-path full logits only here; prefill-path full logits for every prompt
+STATE_PROMPTS = ("prose",)     # GDN state / KV recorded for these prompts of the synthetic checkpoint only
 KV_LAYER = 3
 
 
@@ -102,33 +106,34 @@ def _top(logits) -> tuple[np.ndarray, np.ndarray]:
     return idx.astype(np.int32), _u16(logits.gather(-1, __import__("torch").from_numpy(idx.astype(np.int64))))
 
 
-def _states(cache, T: int) -> dict:
+def _states(cache, T: int, kv: bool = True) -> dict:
     out = {}
     for li in STATE_LAYERS:
         rec = cache.layers[li].recurrent_states[0]
         out[f"rec{li}"] = rec[0].float().numpy()
         out[f"conv{li}"] = _u16(cache.layers[li].conv_states[0][0, :, -3:])    # last 3 inputs, oldest first
-    k, v = cache.layers[KV_LAYER].keys[0], cache.layers[KV_LAYER].values[0]   # [nkv, T, hd]
-    rows = np.array([0, T // 2, T - 1])
-    out["kv_rows"], out["k"], out["v"] = rows, _u16(k[:, rows].transpose(0, 1)), _u16(v[:, rows].transpose(0, 1))
+    if kv:
+        k, v = cache.layers[KV_LAYER].keys[0], cache.layers[KV_LAYER].values[0]   # [nkv, T, hd]
+        rows = np.array([0, T // 2, T - 1])
+        out["kv_rows"], out["k"], out["v"] = rows, _u16(k[:, rows].transpose(0, 1)), _u16(v[:, rows].transpose(0, 1))
     return out
 
 
-def run_prompt(model, ids: list[int], name: str = "") -> dict:
+def run_prompt(model, ids: list[int], states: bool = False) -> tuple[dict, dict]:
+    """(the golden arrays of ``save_golden``, the manifest's facts about the run that are not stored as arrays);
+    ``states``: record the GDN state / KV arrays too."""
     import torch
     from transformers import DynamicCache
     T = len(ids)
     x = torch.tensor([ids])
-    full_pos = np.array([T // 4, T // 2, T - 1])
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
         pre = model(input_ids=x, cache=cache, use_cache=True).logits[0]                  # [T, V] bf16
-        rec = {"ids": np.array(ids, np.int32), "full_pos": full_pos}
+        rec = {"ids": np.array(ids, np.int32)}
         rec["pre_top_ids"], rec["pre_top_vals"] = _top(pre)
-        rec["pre_full"] = _u16(pre[full_pos])
         rec["pre_argmax"] = np.argmax(pre.float().numpy(), -1).astype(np.int32)
-        rec["pre_rec_dtype"] = np.array(str(cache.layers[STATE_LAYERS[0]].recurrent_states[0].dtype))
-        if name in STATE_PROMPTS:
+        info = {"rec_dtype_prefill": str(cache.layers[STATE_LAYERS[0]].recurrent_states[0].dtype)}
+        if states:
             rec.update({f"pre_{k}": v for k, v in _states(cache, T).items()})
         cache = DynamicCache(config=model.config)
         dec_rows = []
@@ -136,16 +141,16 @@ def run_prompt(model, ids: list[int], name: str = "") -> dict:
             dec_rows.append(model(input_ids=x[:, t:t + 1], cache=cache, use_cache=True).logits[0, 0])
         dec = torch.stack(dec_rows)
         rec["dec_top_ids"], rec["dec_top_vals"] = _top(dec)
-        if name in DEC_FULL_PROMPTS:
-            rec["dec_full"] = _u16(dec[full_pos])
         rec["dec_argmax"] = np.argmax(dec.float().numpy(), -1).astype(np.int32)
-        rec["dec_rec_dtype"] = np.array(str(cache.layers[STATE_LAYERS[0]].recurrent_states[0].dtype))
-        if name in STATE_PROMPTS:
-            rec.update({f"dec_{k}": v for k, v in _states(cache, T).items()})
+        info["rec_dtype_decode"] = str(cache.layers[STATE_LAYERS[0]].recurrent_states[0].dtype)
+        if states:
+            for k, v in _states(cache, T, kv=False).items():
+                f32 = (lambda a: a.view(BF16).astype(np.float32)) if k.startswith("conv") else (lambda a: a)
+                rec[f"self_{k}"] = np.abs(f32(rec[f"pre_{k}"]) - f32(v)).max().astype(np.float32)
         pf, df = pre.float().numpy(), dec.float().numpy()
-        rec["self_dfull"] = np.abs(pf - df).max(-1).astype(np.float32)                   # max over vocab
+        info["self_dfull_max"] = float(np.abs(pf - df).max())                               # over positions and vocab
         rec["self_d32"] = np.abs(np.take_along_axis(df - pf, rec["pre_top_ids"].astype(np.int64), -1)).max(-1).astype(np.float32)
-    return rec
+    return rec, info
 
 
 def main(argv=None) -> None:
@@ -171,12 +176,11 @@ def main(argv=None) -> None:
         if a.only and name not in a.only:
             continue
         t0 = time.time()
-        rec = run_prompt(model, ids, name)
-        np.savez_compressed(out / f"oracle_{name}.npz", **rec)
+        rec, info = run_prompt(model, ids, states=a.model == "tiny" and name in STATE_PROMPTS)
+        save_golden(out / f"oracle_{name}{GOLDEN_SUFFIX}", rec)
         agree = float(np.mean(rec["pre_argmax"] == rec["dec_argmax"]))
         man["prompts"][name] = {"tokens": len(ids), "self_top1_agreement": agree,
-                                "self_d32_max": float(rec["self_d32"].max()), "self_dfull_max": float(rec["self_dfull"].max()),
-                                "rec_dtype_prefill": str(rec["pre_rec_dtype"]), "rec_dtype_decode": str(rec["dec_rec_dtype"]),
+                                "self_d32_max": float(rec["self_d32"].max()), **info,
                                 "seconds": round(time.time() - t0, 1)}
         print(name, man["prompts"][name], flush=True)
         man_p.write_text(json.dumps(man, indent=1) + "\n")
