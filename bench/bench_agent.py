@@ -36,6 +36,10 @@ import time
 from pathlib import Path
 
 from bench.harness import commit, cpu_name
+from host.engine import Engine
+from host.grammar import tool_call_spec
+from loader.config import TOOL_CALL_ID
+from tools.train.conversations import ALL_TOOLS
 
 OUT = Path(__file__).resolve().parent / "results" / "e2e"
 SYSTEM = "You are a concise assistant that uses tools when they help."
@@ -76,8 +80,6 @@ def check_calls(r, schemas) -> tuple[bool, list[str]]:
 def round_trip(eng, k: int, prompt: str, tools, schemas, mode: str, temperature: float, max_new: int,
                answer_tokens: int) -> dict:
     """One prompt's two turns in a fresh session; returns the row of the JSON."""
-    from loader.config import TOOL_CALL_ID
-
     kw = dict(tools=tools, max_new_tokens=max_new, temperature=temperature,
               seed=k if temperature else None)
     kw.update({"tool_choice": "required"} if mode == "grammar_on" else {"tool_choice": "auto", "tool_grammar": False})
@@ -149,10 +151,6 @@ def main(argv=None) -> int:
     ap.add_argument("--answer-tokens", type=int, default=32, help="turn 2 (the answer to the tool result)")
     ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args(argv)
-
-    from host.engine import Engine
-    from host.grammar import tool_call_spec
-    from tools.train.conversations import ALL_TOOLS
 
     load0 = os.getloadavg()
     t0 = time.perf_counter()

@@ -27,16 +27,18 @@ from pathlib import Path
 import numpy as np
 
 from assembler.ref.envelope import GOLDEN_SUFFIX, load_golden
+from assembler.ref.model import ReferenceModel
+from assembler.ref.numerics import f32
 from bench.harness import commit, cpu_name
+from host.cpu_fast import FastModel, agreement
+from host.executors import make_executor
+from loader.checkpoint import Checkpoint
+from loader.synthetic import ensure_checkpoint
 
 GOLDEN = Path(__file__).resolve().parents[1] / "tests" / "golden"
 
 
 def _check(weights, ids) -> dict:
-    from assembler.ref.model import ReferenceModel
-    from assembler.ref.numerics import f32
-    from host.cpu_fast import FastModel, agreement
-
     out = []
     for m in (FastModel(weights), ReferenceModel(weights)):
         st = m.new_state(128)
@@ -55,10 +57,6 @@ def main(argv=None) -> int:
     ap.add_argument("--vm-steps", type=int, default=2, help="cpu-vm decode steps to time (0: skip the VM)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-
-    from host.executors import make_executor
-    from loader.checkpoint import Checkpoint
-    from loader.synthetic import ensure_checkpoint
 
     load0 = os.getloadavg()
     weights = Checkpoint.open(a.model or ensure_checkpoint("tiny"))

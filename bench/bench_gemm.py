@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from assembler.numerics import split_k  # noqa: E402
 from assembler.ref.numerics import BF16, f32  # noqa: E402
 from bench.harness import copies_for, result_file  # noqa: E402
+from discrete.gemm import Gemm  # noqa: E402
+from discrete.gemv import Gemv  # noqa: E402
 from loader.config import preset  # noqa: E402
 from tests import gemm_numerics as gn  # noqa: E402
 
@@ -82,8 +84,6 @@ def cublas_dtype():
 
 def bench_shape(cfg, name, N, K, epi, rows_list, rng, dt, reps):
     import cupy as cp
-    from discrete.gemm import Gemm
-    from discrete.gemv import Gemv
     w, s = gn.rand_fp8(rng, N, K), gn.rand_scale(rng, N, K)
     w_d, s_d = cp.asarray(w.view(np.uint8)), cp.asarray(s.view(np.uint16))
     R = copies_for(w_d.nbytes + s_d.nbytes)

@@ -27,6 +27,8 @@ from assembler.numerics import split_k  # noqa: E402
 from assembler.ref import ops as ref  # noqa: E402
 from assembler.ref.numerics import BF16, FP8  # noqa: E402
 from bench.harness import bandwidth, copies_for, result_file, time_rotation  # noqa: E402
+from discrete.gemv import Gemv  # noqa: E402
+from discrete.lm_head import LmHead  # noqa: E402
 from loader.config import preset  # noqa: E402
 
 # (name, rows, cols, fp8, epilogue, calls per token of the 27B: 48 GDN + 16 attention layers, + lm_head). The
@@ -105,7 +107,6 @@ def bench_shape(cfg, name, N, K, fp8, epi, rows_list, rng, variants=None, splits
     """Check then time one shape; ``variants`` (name → defines) are timed after the default build and must
     reproduce its output bits exactly (a variant that does not is reported, not timed)."""
     import cupy as cp
-    from discrete.gemv import Gemv
     w_host, s, w0, s_d = make_weights(rng, N, K, fp8)
     g0 = Gemv(cfg, w0, s_d, name=name)
     R = copies_for(g0.weight_bytes)
@@ -166,7 +167,6 @@ def bench_splits(cfg, name, N, K, epi, ws, ss, w_host, s, x, x_d, r_d, rows, R):
     """The fused launch at S/2 and 2·S (K-block count permitting): checked against the reference at that
     split (store epilogue, row subset), then timed with the shape's epilogue. Evidence for the split rule."""
     import cupy as cp
-    from discrete.gemv import Gemv
     S0, nkb, res = split_k(N, K), K // 128, []
     for S in sorted({S0 // 2, 2 * S0} - {0}):
         if nkb % S:
@@ -191,7 +191,6 @@ def check_fused(cfg, rng, rows_list):
     """Fused launch vs partial + reduce, bitwise, for every shape of cfg (tests/gpu's shape list), every M in
     rows_list, the shape's epilogue and store; returns the list of failures (strings)."""
     import cupy as cp
-    from discrete.gemv import Gemv
     from tests.gpu.test_gemv import shapes as test_shapes
     bad = []
     for name, N, K, fp8, epi in test_shapes(cfg):
@@ -213,7 +212,6 @@ def check_fused(cfg, rng, rows_list):
 
 def bench_lm_head(cfg, rows_list, rng, variants=None):
     import cupy as cp
-    from discrete.lm_head import LmHead
     from tests.gpu.test_gemv import close_mask
     from tests.gpu.test_lm_head import rand_w_dev
     V, K = cfg.vocab_size, cfg.hidden_size

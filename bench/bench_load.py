@@ -47,7 +47,16 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from bench.harness import commit, cpu_name
+from bench.harness import commit, cpu_name, device_meta
+from discrete.weights_gpu import Proj, WeightsGPU
+from host.engine import Engine
+from host.executors import CPU_KINDS, default_kind
+from host.gpu_checkpoint import gpu_chunks, gpu_usable
+from loader import staging, synthetic
+from loader.checkpoint import Checkpoint, FP8, expected_tensors
+from loader.config import preset
+from loader.synthetic import SyntheticWeights, write_checkpoint
+from loader.workers import WorkerPool
 
 READ_BLOCK = 64 << 20
 PROMPT = "def fibonacci(n):"
@@ -112,7 +121,6 @@ def disk_read_rate(files) -> dict:
 # ---------------------------------------------------------------------------------------------- compare
 def device_tensors(wg) -> dict:
     """name -> device array of every tensor a ``WeightsGPU`` holds (the views ``a``/``b`` are inside ``ba``)."""
-    from discrete.weights_gpu import Proj
     out = {"embed": wg.embed, "final_norm": wg.final_norm, "lm_head": wg.lm_head}
     for i, L in enumerate(wg.layers):
         for k, v in L.items():
@@ -146,8 +154,6 @@ def compare_device(wa, wb) -> dict:
 
 def compare_files(d: Path, cfg, seed: int) -> dict:
     """Every tensor read from checkpoint ``d`` against ``SyntheticWeights.get`` (bits; NumPy, slow for the 27B)."""
-    from loader.checkpoint import Checkpoint
-    from loader.synthetic import SyntheticWeights
     ck, syn = Checkpoint.open(d), SyntheticWeights(cfg, seed)
     if ck.names() != syn.names():
         return {"tensors": len(ck.names()), "bytes": 0, "mismatch": ("tensor lists differ", -1)}
@@ -165,8 +171,6 @@ def compare_files(d: Path, cfg, seed: int) -> dict:
 # ---------------------------------------------------------------------------------------------- write
 def write(cfg, d: Path, seed: int, device: str, workers: int) -> dict:
     """Write the checkpoint into a temporary sibling of ``d`` and rename it into place (``d`` must not exist)."""
-    from host.gpu_checkpoint import gpu_chunks, gpu_usable
-    from loader.synthetic import write_checkpoint
     gen = None
     if device in ("auto", "gpu"):
         ok, why = gpu_usable()
@@ -195,10 +199,6 @@ def write(cfg, d: Path, seed: int, device: str, workers: int) -> dict:
 def cpu_write_rate(workers: list[int], where: Path) -> dict:
     """The CPU writer (``loader.synthetic``'s jobs in a ``WorkerPool``) on a sample of the 27B per worker count,
     and the full write's time derived from the checkpoint's bf16 and fp8 bytes at the sampled rates."""
-    from loader import synthetic
-    from loader.checkpoint import FP8, expected_tensors
-    from loader.config import preset
-    from loader.workers import WorkerPool
     cfg = preset("qwen3.5-27b")
     src = synthetic.SyntheticWeights(cfg, 0)
     exp = expected_tensors(cfg)
@@ -241,8 +241,6 @@ def serial_upload(d: Path, files, disk_gbps: float) -> dict:
     with its open; the device copy is freed after."""
     import cupy as cp
 
-    from discrete.weights_gpu import WeightsGPU
-    from loader.checkpoint import Checkpoint
     drop_cache(files)
     t0 = time.perf_counter()
     w = WeightsGPU.from_source(Checkpoint.open(d), pipeline=False)
@@ -256,7 +254,6 @@ def serial_upload(d: Path, files, disk_gbps: float) -> dict:
 
 def _staging_defaults(a) -> None:
     """--buffers / --buffer-mb: the staging ring of every upload in this process."""
-    from loader import staging
     if a.buffers:
         staging.DEFAULT_BUFFERS = a.buffers
     if a.buffer_mb:
@@ -266,7 +263,6 @@ def _staging_defaults(a) -> None:
 # ---------------------------------------------------------------------------------------------- main
 def _meta(gpu: bool) -> dict:
     if gpu:
-        from bench.harness import device_meta
         meta = device_meta()
     else:
         meta = {"device": cpu_name()}
@@ -305,9 +301,6 @@ def main(argv=None) -> int:
         (out / "load_cpu_write.json").write_text(json.dumps(doc, indent=1) + "\n")
         return 0
 
-    from host.engine import Engine
-    from host.executors import CPU_KINDS, default_kind
-    from loader.config import preset
     cfg = preset(a.preset)
     kind = a.executor or default_kind()
     gpu = kind not in CPU_KINDS

@@ -24,7 +24,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+from assembler.options import PROGRAM  # noqa: E402
 from bench.harness import bandwidth, commit, device_meta, events_ms, result_file  # noqa: E402
+from discrete.step import DecodeStep  # noqa: E402
+from discrete.weights_gpu import WeightsGPU  # noqa: E402
+from loader.config import preset  # noqa: E402
+from loader.synthetic import SyntheticWeights  # noqa: E402
+from megakernel.runner import Megakernel, compare_steps  # noqa: E402
+from megakernel.timings import collect  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,13 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    from discrete.step import DecodeStep
-    from discrete.weights_gpu import WeightsGPU
-    from loader.config import preset
-    from loader.synthetic import SyntheticWeights
-    from assembler.options import PROGRAM
-    from megakernel.runner import Megakernel, compare_steps
-    from megakernel.timings import collect
 
     cfg, N, ctx = preset(a.preset), a.steps, a.context
     t0 = time.perf_counter()

@@ -22,6 +22,8 @@ import numpy as np
 from assembler.numerics import attn_partitions
 from bench.harness import replay_times_ms
 from assembler.ref import ops
+from discrete import attention, gdn
+from discrete.kv_cache import PagedKVCache
 from loader.config import preset
 
 BW = 4468.0
@@ -45,7 +47,6 @@ def _time_graph(cp, fn, reps=20, warm=3) -> float:
 
 
 def bench_gdn(cp, cfg, rng) -> list[dict]:
-    from discrete import gdn
     nl, nv, dk, dv, h = len(cfg.linear_layers), cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.hidden_size
     u = lambda a: cp.asarray(np.ascontiguousarray(a).view(np.uint16))  # noqa: E731
     W = dict(w_a=_bf(rng, (nv, h), 0.02), w_b=_bf(rng, (nv, h), 0.02), A_log=np.log(rng.uniform(1, 16, nv)).astype(np.float32).astype(BF),
@@ -85,8 +86,6 @@ def bench_gdn(cp, cfg, rng) -> list[dict]:
 
 
 def bench_attention(cp, cfg, rng, contexts=(1024, 8192, 32768)) -> list[dict]:
-    from discrete import attention
-    from discrete.kv_cache import PagedKVCache
     nq, nkv, hd, nl = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, len(cfg.full_layers)
     u = lambda a: cp.asarray(np.ascontiguousarray(a).view(np.uint16))  # noqa: E731
     res = []

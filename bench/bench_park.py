@@ -22,6 +22,9 @@ import sys
 import time
 from pathlib import Path
 
+from bench.harness import commit, cpu_name, device_meta
+from host.engine import Engine
+
 
 def _run(eng, L: int, reps: int) -> dict:
     ids = [(7 * i + 11) % 4000 + 100 for i in range(L)]
@@ -59,9 +62,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
-    from bench.harness import commit, cpu_name
-    from host.engine import Engine
-
     lengths = [int(x) for x in a.lengths.split(",")]
     load0 = os.getloadavg()
     eng = Engine.load(a.model or a.preset, a.executor, capacity=max(lengths) + 64, slots=1, quiet=True)
@@ -69,7 +69,6 @@ def main(argv=None) -> int:
     ex = eng.executor
     device = cpu_name()
     if ex.name in ("graph", "megakernel"):
-        from bench.harness import device_meta
         device = device_meta()["device"]
     doc = {"benchmark": "park", "executor": ex.name, "model": a.model or a.preset or "qwen3.5-tiny-trained",
            "device": device, "nproc": os.cpu_count(), "loadavg_before": [round(x, 2) for x in load0],

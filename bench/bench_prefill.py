@@ -31,6 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_gemm import cublas_dtype, shapes  # noqa: E402
 from bench.harness import result_file  # noqa: E402
+from discrete.prefill import Prefill  # noqa: E402
+from discrete.step import DecodeStep  # noqa: E402
+from discrete.weights_gpu import WeightsGPU  # noqa: E402
 from loader.config import FIRST_PADDING_ID, preset  # noqa: E402
 from loader.synthetic import SyntheticWeights  # noqa: E402
 
@@ -114,9 +117,6 @@ def main(argv=None):
     ap.add_argument("--short", type=int, nargs="+", default=[2, 8, 16, 64, 256])
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "e2e"))
     a = ap.parse_args(argv)
-    from discrete.prefill import Prefill
-    from discrete.step import DecodeStep
-    from discrete.weights_gpu import WeightsGPU
     cfg = preset(a.preset)
     cap = max([*a.lengths, 4096 + 256]) + 16
     t0 = time.perf_counter()

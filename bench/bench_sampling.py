@@ -26,6 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from assembler.ref import sampling as ref  # noqa: E402
 from assembler.ref.numerics import BF16, f32  # noqa: E402
 from bench.harness import result_file  # noqa: E402
+from discrete.sampling import DeviceSampler  # noqa: E402
+from host.engine import Engine  # noqa: E402
+from host.sampling import mask_padding  # noqa: E402
 from loader.config import preset  # noqa: E402
 
 TARGET = 1.05  # issue 25: sampled decode within 5 % of greedy ms/token
@@ -43,8 +46,6 @@ class _U:
 
 def kernel_rows(cfg) -> list[dict]:
     import cupy as cp
-    from discrete.sampling import DeviceSampler
-    from host.sampling import mask_padding
 
     smp = DeviceSampler(cfg)
     rng = np.random.default_rng(0)
@@ -85,8 +86,6 @@ def kernel_rows(cfg) -> list[dict]:
 
 
 def decode_rows(name: str, tokens: int) -> list[dict]:
-    from host.engine import Engine
-
     rows = []
     for kind in ("graph", "megakernel"):
         eng = Engine.load(name, executor=kind, capacity=1024, quiet=True)

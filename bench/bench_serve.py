@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from bench.harness import commit
+from loader.tokenizer import Tokenizer
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -69,8 +70,6 @@ def main() -> None:
     a = ap.parse_args()
 
     import openai
-
-    from loader.tokenizer import Tokenizer
 
     lengths = [int(x) for x in a.lengths.split(",")]
     load0 = os.getloadavg()

@@ -30,6 +30,12 @@ from pathlib import Path
 import numpy as np
 
 from bench.harness import commit
+from host.engine import Engine
+from host.sampling import Sampler, SamplingParams
+from host.speculate import Speculator
+from loader import trained
+from tools.train import conversations
+from tools.train.corpus import VAL_SEED
 
 PROMPT_TOKENS = 192
 MODES = ["off", 1, 2, 3, 4, 5, 6, 7, "auto"]
@@ -37,10 +43,6 @@ MODES = ["off", 1, 2, 3, 4, 5, 6, 7, "auto"]
 
 def held_out_prompts(engine, n: int) -> dict[str, list[list[int]]]:
     """``n`` prompt id lists per split (code, prose, tools) from the training run's held-out text."""
-    from loader import trained
-    from tools.train import conversations
-    from tools.train.corpus import VAL_SEED
-
     val = trained.manifest(trained.DEFAULT_MODEL)["corpus"]["val_files"]
     root = Path(sysconfig.get_paths()["stdlib"])
     code = [(root / f).read_text(encoding="utf-8") for f in val["code"] if (root / f).is_file()]
@@ -69,7 +71,6 @@ def held_out_prompts(engine, n: int) -> dict[str, list[list[int]]]:
 def verify_costs(engine, reps: int = 7) -> dict:
     """Median ms of one recorded M-row step pass (M = 1..8, then rolled back) and of one draft step with the full
     and the pruned head, after a 128-token prefill."""
-    from host.speculate import Speculator
     ex = engine.executor
     ex.reset(0)
     ids = list(range(1000, 1128))
@@ -101,7 +102,6 @@ def verify_costs(engine, reps: int = 7) -> dict:
                        ("pruned head (core 8,192 + session ids)", 8192)):
         sp = Speculator(ex, core_size=core)
         sp.begin()
-        from host.sampling import Sampler, SamplingParams
         g = Sampler(SamplingParams())
         ts = []
         for _ in range(reps):
@@ -161,7 +161,6 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=2, help="timed repetitions of every (prompt, mode)")
     ap.add_argument("--out", default=None, help="directory to write speculate.json into")
     a = ap.parse_args(argv)
-    from host.engine import Engine
     load0 = os.getloadavg()
     engine = Engine.load(executor="cpu", capacity=1024, slots=1, quiet=True)
     prompts = held_out_prompts(engine, a.prompts)

@@ -23,6 +23,8 @@ from collections import Counter
 import numpy as np
 
 from bench.harness import H200_READ_GBPS, events_ms, replay_times_ms, result_file
+from discrete.step import DecodeStep
+from discrete.weights_gpu import WeightsGPU
 from loader.config import preset
 from loader.synthetic import SyntheticWeights
 
@@ -37,8 +39,6 @@ def _median_graph(cp, stream, g, reps: int) -> float:
 def main(argv=None) -> int:
     import cupy as cp
 
-    from discrete.step import DecodeStep
-    from discrete.weights_gpu import WeightsGPU
     ap = argparse.ArgumentParser(prog="python3 -m bench.bench_step")
     ap.add_argument("--out", default=None, help="output folder (default bench/results)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])

@@ -38,7 +38,11 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import commit, cpu_name
+from bench.harness import commit, cpu_name, device_meta
+from bench.replay_plot import main as plot_main
+from bench.trajectories.record import FIXTURE, load
+from host.engine import Engine
+from host.executors import CPU_KINDS, default_kind
 
 OUT = Path(__file__).resolve().parent / "results" / "e2e"
 CONFIGS = {  # name: (resident, grammar, speculate)
@@ -208,7 +212,6 @@ def _warm(eng, traj: dict, config: str) -> None:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plot"]:
-        from bench.replay_plot import main as plot_main
         return plot_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python3 -m bench.replay", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="model directory or name (default: the trained small model)")
@@ -226,10 +229,6 @@ def main(argv=None) -> int:
     ap.add_argument("--where", default=None, help="label of the machine in the file name (default cpu / gpu)")
     ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args(argv)
-
-    from bench.trajectories.record import FIXTURE, load
-    from host.engine import Engine
-    from host.executors import CPU_KINDS, default_kind
 
     fix = load(a.fixture or FIXTURE)
     trajs = select(fix["trajectories"], a.trajectories, a.max_context, a.max_steps)
@@ -303,7 +302,6 @@ def _machine(where: str) -> str:
     if where == "cpu":
         return cpu_name()
     try:
-        from bench.harness import device_meta
         return device_meta()["device"]
     except Exception:  # noqa: BLE001 - no CuPy / no device: name the host CPU
         return cpu_name()

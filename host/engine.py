@@ -21,9 +21,11 @@ from typing import Sequence
 from host.errors import EmptyPrompt, EngineError, InvalidArgument, ModelLoadError
 from host.executors import CPU_KINDS, Executor, check_kind, default_kind, make_executor
 from host.generation import Generation
+from host.grammar import GrammarCache, tool_names
 from host.limits import DEFAULT_CAPACITY
 from host.model_dir import _resolve_model, cache_error
 from host.model_dir import synthetic_marker  # noqa: F401 - re-exported: part of this module's API
+from host.prompt_text import encode_prompt, shield
 from host.sampling import check_text
 from host.session import Session, prepare, render_turn
 from loader.chat_template import ChatTemplate
@@ -54,7 +56,6 @@ class Engine:
         """The engine's ``host.grammar.GrammarCache``: every grammar compiled once per distinct schema / regex /
         tool list, made on the first constrained request."""
         if self._grammars is None:
-            from host.grammar import GrammarCache
             self._grammars = GrammarCache(self.tokenizer, self.cfg.eos_token_ids, self.cfg.vocab_size)
         return self._grammars
 
@@ -164,10 +165,7 @@ class Engine:
                                   f"{type(messages).__name__} (for one user turn: [{{'role': 'user', 'content': text}}])")
         if not messages:
             raise EmptyPrompt("chat: messages is empty; expected a list of {'role': ..., 'content': ...}")
-        from host.prompt_text import encode_prompt, shield
-
         if tools is not None:
-            from host.grammar import tool_names
             tool_names(tools)  # RequestError(param="tools") for anything but a list of named functions
         messages, tools = shield(list(messages), tools)
         try:

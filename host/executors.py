@@ -29,8 +29,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from assembler.options import PROGRAM
 from host.errors import ExecutorUnavailable, InvalidArgument
 from loader.config import FIRST_PADDING_ID, ModelConfig
+from loader.synthetic import SyntheticWeights
 
 KINDS = ("megakernel", "graph", "cpu", "cpu-vm")
 CPU_KINDS = ("cpu", "cpu-vm")  # cpu: the fast float32 NumPy model; cpu-vm: the reference + CPU VM, bit-exact
@@ -215,7 +217,7 @@ class CpuExecutor(Executor):
     name = "cpu"
 
     def __init__(self, weights, capacity: int, slots: int = 4):
-        from host.cpu_fast import FastModel
+        from host.cpu_fast import FastModel  # lazy: start-up (~20 ms; this module is loaded by every CLI command)
 
         cfg: ModelConfig = weights.config
         _check_cpu_size(cfg, self.name)
@@ -310,7 +312,7 @@ class CpuVmExecutor(Executor):
     name = "cpu-vm"
 
     def __init__(self, weights, capacity: int, slots: int = 4, decode: str = "vm", vm_sms: int = 1):
-        from assembler.ref.model import ReferenceModel
+        from assembler.ref.model import ReferenceModel  # lazy: start-up (and test_program_options replaces it)
 
         cfg: ModelConfig = weights.config
         _check_cpu_size(cfg, self.name)
@@ -325,8 +327,7 @@ class CpuVmExecutor(Executor):
         self.vm = None
         self.program_options = None  # the decode program's options (assembler/options.py), with decode="vm"
         if decode == "vm":
-            from assembler.options import PROGRAM
-            from assembler.pyvm import VM
+            from assembler.pyvm import VM  # lazy: start-up (~60 ms with the scheduler); test_program_options replaces VM
             from assembler.scheduler import assemble
             from megakernel.runner import split_gdn
 
@@ -506,10 +507,9 @@ class GraphExecutor(Executor):
 
     def __init__(self, weights, capacity: int, slots: int = 1, progress: str | None = None):
         check_kind(self.name)
-        from discrete.prefill import Prefill
+        from discrete.prefill import Prefill  # lazy: the GPU side (CuPy inside; ~30 ms of every CLI start)
         from discrete.step import DecodeStep
         from discrete.weights_gpu import WeightsGPU
-        from loader.synthetic import SyntheticWeights
 
         cfg: ModelConfig = weights.config
         t0 = time.perf_counter()

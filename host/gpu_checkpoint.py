@@ -9,6 +9,7 @@ are 2.5 GB each); an fp8 weight's block scales are kept on the host until the sc
 """
 from __future__ import annotations
 
+from host.executors import gpu_available
 from loader.checkpoint import SCALE_SUFFIX
 
 
@@ -37,5 +38,4 @@ def gpu_chunks(src, names: list[str], fill=None):
 
 def gpu_usable() -> tuple[bool, str]:
     """(True, device name) when the GPU generator can run here, else (False, why): ``host.executors.gpu_available``."""
-    from host.executors import gpu_available
     return gpu_available()

@@ -21,6 +21,9 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from host.errors import RequestError
+from host.grammar import Constraint, normalize_tool_choice, response_format_spec, tool_call_spec
+from host.stops import StopMatcher  # the loop's matcher: content is cut where text is
 from loader.config import ENDOFTEXT_ID, IM_END_ID, THINK_END_ID, THINK_ID
 from loader.detok import StreamDetokenizer
 from loader.toolcall import Event, StreamParser
@@ -98,8 +101,6 @@ class ReplyParser:
     one valid call and nothing but whitespace after the last one: finish_reason ``tool_calls``)."""
 
     def __init__(self, tokenizer, *, reasoning: bool, tools=None, parse_tools: bool = True, stops=()):
-        from host.stops import StopMatcher  # the loop's matcher: content is cut where text is
-
         self.parse_tools = bool(parse_tools)
         self._p = (StreamParser(tokenizer, tools, reasoning) if self.parse_tools
                    else _ReasoningSplitter(tokenizer, reasoning))
@@ -194,7 +195,6 @@ class ReplyPlan:
         """A fresh ``host.grammar.Constraint`` for one run, None when nothing constrains the reply."""
         if self.grammar is None:
             return None
-        from host.grammar import Constraint
         return Constraint(self.grammar, self.compiled, self.compile_ms, self.cached, vocab_size)
 
 
@@ -209,9 +209,6 @@ def plan_reply(engine, *, tools=None, tool_choice=None, response_format=None, re
     function, which only a grammar can enforce). Raises RequestError naming the parameter: tools not a list of
     functions, an unknown tool_choice or function name, response_format with tools under a tool_choice other
     than none, a schema / regex xgrammar rejects."""
-    from host.grammar import normalize_tool_choice, response_format_spec, tool_call_spec
-    from host.errors import RequestError
-
     choice = normalize_tool_choice(tool_choice, tools)
     plan = ReplyPlan(reasoning=bool(reasoning), tools=list(tools) if tools is not None else None,
                      parse_tools=tools is not None and choice != "none", tool_choice=choice)

@@ -24,6 +24,7 @@ from host.generation import Delta, Generation, GenerationResult, Timings
 from host.reply import ReplyPlan, plan_reply
 from host.stops import StopMatcher
 from host.sampling import Sampler, SamplingParams, check_generation_args, token_logprobs
+from host.speculate import parse_speculate, speculator, unavailable
 from loader.config import FIRST_PADDING_ID, IM_START_ID
 
 CKPT_ALIGN = 64        # GDN prefill chunk: state checkpoints sit on multiples of it (article Part 5.4)
@@ -118,7 +119,6 @@ def prepare(engine, prompt_ids: Sequence[int], *, max_new_tokens: int | None = N
     max_new = check_generation_args(params, max_new_tokens, engine.executor.capacity, cfg.max_position_embeddings)
     plan = plan_reply(engine, tools=tools, tool_choice=tool_choice, response_format=response_format,
                       reasoning=reasoning, tool_grammar=tool_grammar)
-    from host.speculate import parse_speculate
     spec = parse_speculate(speculate)
     return (prompt, max_new, list(stop), stop_set, Sampler(params), [int(m) for m in checkpoint_at], plan,
             None if logprobs is None else int(logprobs), spec)
@@ -388,7 +388,6 @@ class Session:
         if plain is not None:
             tm.speculate = f"off ({plain}; plain decode)"
             return None, None
-        from host.speculate import speculator, unavailable
         why = unavailable(self.engine)
         if why is not None:
             tm.speculate = f"off ({why}; plain decode)"

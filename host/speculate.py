@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from assembler.ref import ops
+from host.cpu_mtp import FastMtp, WorkingVocab
 from host.errors import InvalidArgument
 from host.sampling import Sampler, mask_padding
 from loader.config import FIRST_PADDING_ID
@@ -173,8 +174,6 @@ class Speculator:
     before the verify (forces accept counts whatever the weights)."""
 
     def __init__(self, executor, core_size: int | None = DRAFT_CORE, swap: bool = False):
-        from host.cpu_mtp import FastMtp
-
         self.ex, self.model = executor, executor.model
         self.mtp = FastMtp(self.model, swap=swap)
         self.core_size = core_size
@@ -186,8 +185,6 @@ class Speculator:
     def begin(self) -> None:
         """Start a generation on the selected slot: MTP cache allocated, working vocabulary = core + the ids in
         the state."""
-        from host.cpu_mtp import WorkingVocab
-
         st = self.ex._state
         self.mtp.ensure_state(st)
         slot = self.ex._cur

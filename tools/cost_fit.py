@@ -28,12 +28,12 @@ sys.path.insert(0, str(ROOT))
 
 from assembler import program as P  # noqa: E402
 from assembler.isa import local_reduce, sub_parts  # noqa: E402
+from loader.config import preset  # noqa: E402
+from megakernel.runner import build_program, split_gdn  # noqa: E402
 
 
 def rows(timings: dict):
     """(measured s, bytes, serial K-blocks, fp8, prologue, op kind) per GEMV instruction of the timing run."""
-    from loader.config import preset
-    from megakernel.runner import build_program, split_gdn
     cfg = preset(timings["config"])
     p = split_gdn(build_program(cfg, timings["m"], timings["num_sms"]), cfg.gdn_head_group)
     out = []

@@ -20,7 +20,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from assembler import graph  # noqa: E402
+from assembler.options import PROGRAM  # noqa: E402
 from bench.harness import bandwidth, events_ms, result_file  # noqa: E402
+from discrete.step import DecodeStep  # noqa: E402
+from discrete.weights_gpu import WeightsGPU  # noqa: E402
+from loader.config import preset  # noqa: E402
+from loader.synthetic import SyntheticWeights  # noqa: E402
+from megakernel import runner  # noqa: E402
+from megakernel.runner import Megakernel, compare_steps  # noqa: E402
+from megakernel.warm import warm  # noqa: E402
 
 PRESET, CTX = "qwen3.5-27b", 1024
 
@@ -29,7 +38,6 @@ def variants() -> list[tuple[str, bool, dict]]:
     """(name, fuse_reduce, extra defines) in timing order; the first is the default build (program options:
     assembler/options.py PROGRAM), each other one turns one default off (or a candidate on). Defines starting with
     ``_`` are program knobs, not compiler defines."""
-    from assembler.options import PROGRAM
     F = PROGRAM.fuse_reduce
     return [
         ("default", F, {}),
@@ -60,8 +68,6 @@ def variants() -> list[tuple[str, bool, dict]]:
 def _megakernel(runner, Megakernel, step, fuse_reduce: bool, x: dict, defines):
     """One variant's Megakernel; program knobs: ``_defer_reduce``, ``_local_reduce``, ``_mlp_groups`` (the graph's
     DEFAULT_MLP_GROUPS while it is built, runner.build_program's cache cleared around it: its key omits it)."""
-    from assembler import graph
-    from assembler.options import PROGRAM
     old = graph.DEFAULT_MLP_GROUPS
     grp = bool(x.get("_mlp_groups", old))
     if grp != old:
@@ -84,13 +90,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated variant names")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    from discrete.step import DecodeStep
-    from discrete.weights_gpu import WeightsGPU
-    from loader.config import preset
-    from loader.synthetic import SyntheticWeights
-    from megakernel import runner
-    from megakernel.runner import Megakernel, compare_steps
-    from megakernel.warm import warm
 
     vs = variants()
     if a.only:

@@ -26,6 +26,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from discrete.build import KERNEL_DIR, translation_unit  # noqa: E402
+from discrete.compile_check import ROOT, nvcc_path, unit_defines  # noqa: E402
+from loader.config import preset as get_preset  # noqa: E402
+from tools.spill_map import find_tool  # noqa: E402
+
 LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
 BRANCH = re.compile(r"BRA\s+(?:\S+,\s*)?0x([0-9a-f]+)")
 
@@ -33,9 +38,6 @@ BRANCH = re.compile(r"BRA\s+(?:\S+,\s*)?0x([0-9a-f]+)")
 def build_cubin(unit: Path, preset: str, defines: dict, out: Path) -> str:
     """Compile ``unit`` as compile_check does (its first define variant, plus ``defines``) into ``out``; returns
     ptxas's report. Raises RuntimeError with the compiler's message on failure."""
-    from discrete.build import KERNEL_DIR, translation_unit
-    from discrete.compile_check import ROOT, nvcc_path, unit_defines
-    from loader.config import preset as get_preset
     cfg = get_preset(preset)
     src = str(unit.resolve().relative_to(KERNEL_DIR)) if unit.resolve().is_relative_to(KERNEL_DIR) \
         else str(unit.resolve())
@@ -86,7 +88,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=1, help="how many loops to show (densest first)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    from tools.spill_map import find_tool
     a.cuobjdump = a.cuobjdump or find_tool("cuobjdump")
     if not a.cuobjdump:
         print("sass_hist: cuobjdump not found (see the module docstring: the nvidia-cuda-cuobjdump wheel)",

@@ -23,6 +23,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from discrete.compile_check import KERNEL_DIR, get_preset, nvcc_path, translation_unit  # noqa: E402
+from loader.config import preset  # noqa: E402
+from megakernel.runner import mk_defines  # noqa: E402
+
 LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
 INSN = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);")
 
@@ -68,9 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--by-file", action="store_true", help="totals per source file only")
     ap.add_argument("--sass", default=None, help="also write the disassembly here")
     a = ap.parse_args(argv)
-    from discrete.compile_check import KERNEL_DIR, get_preset, nvcc_path, translation_unit
-    from loader.config import preset
-    from megakernel.runner import mk_defines
     nvcc, nvdisasm = nvcc_path(), find_tool("nvdisasm")
     if not nvcc or not nvdisasm:
         print(f"spill_map: needs nvcc and nvdisasm (found nvcc={nvcc}, nvdisasm={nvdisasm})", file=sys.stderr)

@@ -33,7 +33,10 @@ from pathlib import Path
 
 from bench.harness import commit, cpu_name
 from bench.trajectories.tools import Toolbox
+from host.engine import Engine
+from host.prompt_text import _shield_str, encode_prompt
 from loader.config import IM_END_ID, TOOL_CALL_END_ID
+from tools.train.conversations import ALL_TOOLS, CITIES, KEYS, MODULES, STDLIB, VALUES, _expr
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "trajectories.json.gz"
 SYSTEM = "You are a coding assistant with tools. Use them when they help, then answer briefly."
@@ -43,8 +46,6 @@ PASTE_TOKENS = (600, 3000)   # a pasted file stretch: tokens, at least / at most
 def _turn_text(kind: str, contents: list[str]) -> str:
     """Template text after an assistant turn's ``<|im_end|>``: a user turn or a tool-response turn, then the
     generation prompt with thinking on (the form ``ChatTemplate.render`` gives; checked by ``_check_turns``)."""
-    from host.prompt_text import _shield_str
-
     body = [_shield_str(c, "turn", "messages") for c in contents]
     if kind == "tool":
         text = "\n".join(f"<tool_response>\n{c}\n</tool_response>" for c in body)
@@ -56,8 +57,6 @@ def _turn_text(kind: str, contents: list[str]) -> str:
 def turn_ids(eng, kind: str, contents: list[str]) -> list[int]:
     """Ids of a user (``kind="user"``, one content) or tool-response turn (``"tool"``, one content per call)
     appended after an assistant reply that ended with ``<|im_end|>``."""
-    from host.prompt_text import encode_prompt
-
     return encode_prompt(eng.tokenizer, _turn_text(kind, contents))
 
 
@@ -78,7 +77,6 @@ class Plan:
     """The seeded user turns of one trajectory: tool questions and pasted file stretches."""
 
     def __init__(self, r: random.Random, eng):
-        from tools.train.conversations import CITIES, KEYS, MODULES, STDLIB, VALUES, _expr
         self.r, self.eng, self.expr = r, eng, _expr
         self.cities, self.keys, self.values, self.modules = CITIES, KEYS, VALUES, MODULES
         self.files = sorted(p for p in STDLIB.glob("*.py") if 8_000 < p.stat().st_size < 200_000)
@@ -133,8 +131,6 @@ def record_one(eng, name: str, target: int, seed: int, max_new: int, max_steps: 
                paste_max: int = PASTE_TOKENS[1]) -> dict:
     """One trajectory (module docstring) as a dict: name, target, seed, tools, system, steps[{append, generated,
     finish_reason, calls, kind}], context (tokens at the end, the last reply included)."""
-    from tools.train.conversations import ALL_TOOLS
-
     r = random.Random(f"{seed}:{name}")
     plan, box = Plan(r, eng), Toolbox()
     first = plan.first()
@@ -211,12 +207,9 @@ def main(argv=None) -> int:
                     "on a 2-core CPU)")
     ap.add_argument("--out", default=str(FIXTURE))
     a = ap.parse_args(argv)
-    from host.engine import Engine
-    from tools.train.conversations import STDLIB
 
     targets = [int(x) for x in a.targets.split(",")]
     eng = Engine.load(executor=a.executor, capacity=max(targets) + 4 * 4096, slots=1, quiet=True)
-    from tools.train.conversations import ALL_TOOLS
     _check_turns(eng, ALL_TOOLS)
     meta = {"model": eng.model_dir.name, "executor": eng.executor.name, "commit": commit(), "seed": a.seed,
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "machine": cpu_name(),

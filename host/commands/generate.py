@@ -19,8 +19,10 @@ import warnings
 
 import click
 
-from host.errors import ERROR, EmptyPrompt, EngineError, GenerationInterrupted, IgnoredArgumentWarning, InvalidArgument
+from host.errors import (ERROR, EmptyPrompt, EngineError, GenerationInterrupted, IgnoredArgumentWarning,
+                         InvalidArgument, RequestError)
 from host.executors import KINDS
+from host.grammar import normalize_tool_choice, tool_names
 from host.limits import DEFAULT_CAPACITY, DEFAULT_MAX_NEW_TOKENS, EPS_TEXT, SAMPLING_EPS
 from host.stdout_guard import StdoutClosed, StdoutError
 from loader.config import PRESETS
@@ -120,8 +122,6 @@ def agent_options(f):
 
 def _json_file(path: str, param: str):
     """The JSON value in ``path``; RequestError(param) when it cannot be read or is not valid JSON."""
-    from host.errors import RequestError
-
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
@@ -139,9 +139,6 @@ def agent_kwargs(kw: dict) -> dict:
     and checked before the model loads. Raises RequestError naming the flag: a --tools file that is missing or
     not valid JSON or not a tool list, a --tool-choice naming no tool, more than one of --response-format /
     --json-schema / --regex, a --json-schema file that is not valid JSON."""
-    from host.errors import RequestError
-    from host.grammar import normalize_tool_choice, tool_names
-
     out: dict = {}
     tools = None
     if kw["tools_file"] is not None:

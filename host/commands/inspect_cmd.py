@@ -1,6 +1,7 @@
 """``qwen-mk inspect``: assemble a preset's decode (or verify / MTP) program and print it with its stats."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import click
@@ -8,6 +9,7 @@ from click.core import ParameterSource
 
 from assembler.options import PROGRAM
 from host.errors import ExecutorUnavailable
+from host.executors import gpu_available
 from loader.config import PRESETS, preset
 
 
@@ -77,16 +79,13 @@ def command(preset_name: str, sms: int, fmt: str, layer_limit: int | None, rows:
         if given:
             raise click.UsageError(f"--timings runs the megakernel's default decode program and prints JSON; it does "
                                    f"not take {', '.join(given)}")
-        from host.executors import gpu_available
         ok, why = gpu_available()
         if not ok:
             raise _NoGPU(f"--timings runs the megakernel and needs an NVIDIA GPU: {why}")
         from megakernel.timings import run
         click.echo(json.dumps(run(preset_name, steps=2, context=context, num_sms=sms), indent=1))
         return
-    import dataclasses
-
-    from assembler.scheduler import assemble
+    from assembler.scheduler import assemble  # lazy: start-up (~55 ms)
 
     cfg = preset(preset_name)
     if layer_limit is not None and layer_limit > cfg.num_hidden_layers:
@@ -105,7 +104,7 @@ def command(preset_name: str, sms: int, fmt: str, layer_limit: int | None, rows:
     used = opts.as_dict(cfg)
     st = prog.stats(kv_context=context)
     if check:
-        from assembler.verify import VerifyError, verify
+        from assembler.verify import VerifyError, verify  # lazy: start-up (~25 ms, --check only)
         try:
             st["verified"] = verify(prog)
         except VerifyError as e:

@@ -18,6 +18,7 @@ from pathlib import Path
 import click
 
 from loader.config import PRESETS, preset
+from host import gpu_checkpoint  # its functions looked up at the call: a test replaces gpu_usable
 from host.errors import ExecutorUnavailable, GenerationInterrupted
 from loader.synthetic import MAX_SHARD_BYTES, sigint_ignored, write_checkpoint
 
@@ -48,12 +49,11 @@ def _out_error(msg: str) -> click.ClickException:
 def _generator(device: str, workers: int):
     """(write_checkpoint's ``generate``, where the tensors are drawn, in words) for ``--device``. ``gpu`` without a
     usable GPU is an error (exit 3, as an executor that cannot run here); ``auto`` falls back to the CPU."""
-    from host.gpu_checkpoint import gpu_chunks, gpu_usable
     if device == "cpu":
         return None, f"on the CPU, {workers} process(es)"
-    ok, why = gpu_usable()
+    ok, why = gpu_checkpoint.gpu_usable()
     if ok:
-        return gpu_chunks, f"on the GPU ({why})"
+        return gpu_checkpoint.gpu_chunks, f"on the GPU ({why})"
     if device == "gpu":
         e = click.ClickException(f"--device gpu: {why}; use --device cpu (NumPy, --workers processes)")
         e.exit_code = ExecutorUnavailable.exit_code

@@ -16,6 +16,7 @@ import time
 import click
 
 from host.commands.generate import check_model_args, handle_errors, model_options
+from loader.trained import DEFAULT_MODEL
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -116,8 +117,7 @@ def command(host, port, max_model_len, served_model_name, api_key, max_queue, se
         raise click.ClickException(f"the server needs FastAPI and uvicorn ({e}); run scripts/install.sh, or "
                                    "pip install -e '.[serve]'") from None
     from host.engine import Engine  # deferred: the engine side
-    from host.server.app import create_app
-    from loader.trained import DEFAULT_MODEL
+    from host.server.app import create_app  # lazy: FastAPI
 
     sock = bind(host, port)
     name = served_model_name or kw["model_dir"] or kw["preset"] or DEFAULT_MODEL
