@@ -19,7 +19,7 @@ def gpu_chunks(src, names: list[str], fill=None):
     device and returns an array with ``.get()`` (for an fp8 weight a pair (payload, scale)); None =
     ``discrete.synthetic_gpu.fill``. Raises ValueError for a scale whose weight does not come before it."""
     if fill is None:
-        from discrete.synthetic_gpu import fill
+        from discrete.synthetic_gpu import fill  # lazy: the GPU side stays off every CLI start (make-checkpoint)
     scales: dict = {}
     for n in names:
         if n.endswith(SCALE_SUFFIX):
