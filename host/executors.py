@@ -137,6 +137,17 @@ class Executor(ABC):
     @abstractmethod
     def step(self, token: int) -> StepOutput: ...
 
+    def step_rows(self, tokens: Sequence[int]) -> StepOutput:
+        """Run 1..8 known ids at the position as decode rows (forced tokens of a grammar: ``host.session``);
+        the output of the last row, with the bits one-row steps give it. This default runs one step per id;
+        executors with a multi-row decode pass run them in one."""
+        out = None
+        for t in tokens:
+            out = self.step(int(t))
+        if out is None:
+            raise ValueError(f"{self.name} executor: step_rows needs 1..8 ids, got none")
+        return out
+
     @abstractmethod
     def state_snapshot(self) -> Any: ...
 
@@ -259,6 +270,10 @@ class CpuExecutor(Executor):
 
     def step(self, token: int) -> StepOutput:
         return StepOutput(logits=self.model.decode(self._state, [int(token)])[-1])
+
+    def step_rows(self, tokens: Sequence[int]) -> StepOutput:
+        """The ids as one pass of the decode path (``FastModel.decode``: each row the bits of a one-row step)."""
+        return StepOutput(logits=self.model.decode(self._state, [int(t) for t in tokens])[-1])
 
     def state_snapshot(self) -> Any:
         """Copies of the position, the GDN conv + recurrent state, the chunk anchor with its GDN state, and the
@@ -576,6 +591,12 @@ class GraphExecutor(Executor):
             self.dstep.replay([token])
         else:
             self.dstep.run_eager([token])
+
+    def step_rows(self, tokens: Sequence[int]) -> StepOutput:
+        """The ids as one eager decode pass of M = len(tokens) rows (``DecodeStep.run_eager``; each row the bits
+        of a one-row step, ``tests/gpu/test_step.py``). The megakernel executor inherits it: the same bits."""
+        self.dstep.run_eager([int(t) for t in tokens])
+        return self._out()
 
     def step(self, token: int) -> StepOutput:
         if not self._captured:  # capture once, after the eager prefill has loaded every module

@@ -49,6 +49,7 @@ class Timings:
     generated_tokens: int = 0
     steps: int = 0                   # model passes after the first token (executor steps + verify passes)
     rounds: int = 0                  # speculative rounds (draft k, verify k + 1 rows in one pass)
+    forced_tokens: int = 0           # ids the grammar admitted alone, emitted without a model pass of their own
     tokens_per_round: float | None = None   # tokens emitted per speculative round; None without rounds
     acceptance: list = field(default_factory=list)  # per draft position i: accepted / proposed (drafts < i accepted)
     acceptance_counts: list = field(default_factory=list)  # per draft position i: [accepted, proposed]

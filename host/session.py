@@ -33,6 +33,7 @@ PREFILL_PIECE = 256    # longest prefill call (a multiple of CKPT_ALIGN) unless 
 MAX_CHECKPOINTS = 8    # state snapshots kept per session (the newest)
 MAX_TOP_LOGPROBS = 20  # most alternatives per token ``logprobs=`` may ask for (OpenAI's top_logprobs limit)
 MAX_DRAFTS = 7         # speculative decoding: drafts per round at most (host.speculate.MAX_K)
+MAX_FORCED = 7         # forced tokens run with the pending one in a pass of at most 8 rows
 
 
 def validate_ids(ids: Sequence[int], vocab_size: int, what: str = "prompt", allow_empty: bool = False) -> list[int]:
@@ -409,13 +410,15 @@ class Session:
         finish, why, stop_reason = None, "", None
         tried, acc = np.zeros(8, np.int64), np.zeros(8, np.int64)   # this generation, draft positions 1..7
 
-        def choose(out: StepOutput) -> int | None:
-            """The next id for a step's output under the grammar's mask; None when the grammar admits nothing
-            (the turn ends with finish reason ``grammar_dead_end``)."""
+        def choose(out: StepOutput, allowed: np.ndarray | None = None) -> int | None:
+            """The next id for a step's output under the grammar's mask (``allowed``: that mask, computed
+            already); None when the grammar admits nothing (the turn ends with finish reason
+            ``grammar_dead_end``)."""
             nonlocal finish, why
             if out.token is None and out.logits is None:
                 raise EngineError(f"{ex.name} executor returned neither logits nor a token")
-            allowed = gram.allowed() if gram is not None else None
+            if allowed is None and gram is not None:
+                allowed = gram.allowed()
             if allowed is not None and not allowed.any():
                 finish, why = "grammar_dead_end", "grammar_dead_end"
                 return None
@@ -462,6 +465,7 @@ class Session:
         try:
             plain = ("a grammar constrains the output" if gram is not None
                      else "logprobs were asked for" if n_logprobs is not None else None)
+            force = gram is not None and n_logprobs is None and getattr(self.engine, "jump_forward", True)
             sp, k_fixed = self._spec(spec_mode, tm, plain)  # the first use builds the MTP head: not in the timings
             t0 = time.perf_counter()
             out, tm.reused_tokens, tm.prefilled_tokens, note = self._sync(prompt, marks)
@@ -487,12 +491,29 @@ class Session:
                     k = min(k_fixed if k_fixed is not None else sp.chooser.choose(MAX_DRAFTS), max(room, 0))
                 ts = time.perf_counter()
                 if k == 0:
-                    out = self._ex().step(tok)  # re-select the slot: another session may have run meanwhile
-                    self.ids.append(tok)
+                    # forced tokens (jump-forward by token): while the grammar admits exactly one id next, emit it
+                    # now and run it with the pending token as rows of one pass, as plain decoding's steps would
+                    # have chosen it whatever their logits (a sampler's draw is spent for it all the same)
+                    deltas, allowed = [], None
+                    while force and finish is None and len(deltas) < MAX_FORCED:
+                        allowed = gram.allowed()
+                        if np.count_nonzero(allowed) != 1:
+                            break
+                        f = int(np.argmax(allowed))
+                        allowed = None
+                        if not sampler.params.greedy:
+                            sampler.rng.random()
+                        deltas.append(emit(f))
+                    forced = out_ids[len(out_ids) - len(deltas):] if deltas else []
+                    run = [tok] + (forced if finish is None else forced[:-1])  # a stopping id is never run
+                    tm.forced_tokens += len(forced)
+                    out = self._ex().step(tok) if len(run) == 1 else self._ex().step_rows(run)  # re-select the
+                    self.ids += run                                        # slot: another session may have run
                     self._last = out
                     tm.steps += 1
-                    tok = choose(out)
-                    deltas = [emit(tok, out) if tok is not None else dead_end()]
+                    if finish is None:
+                        tok = choose(out, allowed)
+                        deltas.append(emit(tok, out) if tok is not None else dead_end())
                     if sp is not None:
                         sp.observed(0, 0, (time.perf_counter() - ts) * 1e3)
                     continue

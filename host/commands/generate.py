@@ -301,6 +301,8 @@ def timing_line(r) -> str:
                 f"acceptance per position {acc}")
     elif t.speculate != "off":
         spec = f" | speculate {t.speculate}"
+    if t.forced_tokens:
+        spec += f" | {t.forced_tokens} forced tok"
     return (f"[{pre} | ttft {t.ttft_ms:.1f} ms | {dec} | {t.tokens_per_step:.2f} tok/step{spec} | "
             f"finish {finish_text(r)}{seed} | {r.executor_detail}]")
 
