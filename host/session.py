@@ -140,10 +140,15 @@ class Session:
     ``generate(prompt_ids, ...)`` takes the whole prompt each turn (not a suffix). ``ids`` are the tokens whose
     effect is in the state; ``checkpoints`` are (position, snapshot) pairs, the newest MAX_CHECKPOINTS: the last
     multiple of 64 each prefill reaches, and the generation-prompt start of each chat turn. Create through
-    ``Engine.new_session()``; ``close()`` returns the slot.
+    ``Engine.new_session()``; ``close()`` returns the slot; ``park()`` / ``unpark()`` move it to host memory and
+    back; ``fork()`` makes a second session from its state (an agent trying two continuations).
     """
 
     def __init__(self, engine, slot: int):
+        self._fields(engine, slot)
+        self._ex().reset(slot)
+
+    def _fields(self, engine, slot: int | None) -> None:
         self.engine, self.slot = engine, slot
         self.closed = False
         self.oneshot = False  # opened by a one-shot Engine.generate / chat: closed when its Generation ends
@@ -153,7 +158,6 @@ class Session:
         self._outs: dict[int, StepOutput] = {}  # host-side outputs at checkpoint positions (see _checkpoint)
         self._pending = None                   # weakref to the last Generation made, until it ends
         self._parked: ParkedState | None = None  # the state while parked in host memory (slot is then None)
-        self._ex().reset(slot)
 
     def _ex(self) -> Executor:
         self._check_open()  # a Generation made before close() must not run on a slot that may be reused
@@ -226,6 +230,26 @@ class Session:
         self.checkpoints = [(p, snap) for (p, _), snap in zip(self.checkpoints, snaps)]
         self._parked, self.slot = None, slot
         return slot
+
+    def fork(self) -> "Session":
+        """A second session with this one's history and state: the same ``ids``, checkpoints and host-side outputs,
+        the state copied through host memory (``Executor.park`` of this slot and of its checkpoints' snapshots;
+        this session keeps its slot and its state). The fork then takes a free slot (``unpark``) when there is
+        one, else it stays parked: ``unpark()`` it once a slot is free (a GPU engine has one: park or close this
+        session first). Each continues as a session that never forked would. Raises EngineError when this
+        session is closed, parked or generating; NotImplementedError when the executor cannot park."""
+        self._check_idle()
+        parked = self._ex().park([snap for _, snap in self.checkpoints])
+        child = Session.__new__(Session)
+        child._fields(self.engine, None)
+        child.ids = list(self.ids)
+        child.checkpoints = [(p, None) for p, _ in self.checkpoints]
+        child._outs = dict(self._outs)  # host-side outputs only (``_checkpoint``)
+        child._last = self._last if type(self._last) is StepOutput else None  # a GPU output reads reused buffers
+        child._parked = parked
+        if self.engine._free:
+            child.unpark()
+        return child
 
     def _check_idle(self) -> None:
         self._check_open()
