@@ -6,8 +6,10 @@ prefill time of the same tokens, per prompt length (``Session.park`` / ``unpark`
 
 Per length L: a session prefills L ids with a checkpoint at the prompt's end, as the server's requests leave them
 (with the last multiple of 64 the prefill reaches: one checkpoint when L is a multiple of 64), decodes one token; then ``--reps`` times: park, unpark,
-timed apart. Checks before it reports (exit 1 on a failure): after the last unpark the session's next greedy
-tokens equal those of a second session given the same ids, never parked. The prefill time is the first
+timed apart; on an executor with two slots (the cpu ones; the GPU executors hold one) ``--reps`` times a fork
+(``Session.fork``: a parked copy unparked into the free slot), timed, then one turn in the fork, which must reuse
+every token of the parent. Checks before it reports (exit 1 on a failure): after the last unpark the session's
+next greedy tokens equal those of a second session given the same ids, never parked; every fork reused them all. The prefill time is the first
 session's (``Timings.prefill_ms``, one cold run). Prints the JSON; writes ``park_<executor>.json`` into ``--out``
 when given (bench/results/e2e/: end-to-end results, beside serve.json).
 """
@@ -39,7 +41,15 @@ def _run(eng, L: int, reps: int) -> dict:
         t = time.perf_counter()
         s.unpark()
         unpark_ms.append((time.perf_counter() - t) * 1e3)
+    fork_ms, fork_ok = [], True
     nxt = ids + r.ids
+    if eng.executor.slots > 1:  # a fork into a free slot (one slot: the fork would stay parked)
+        for _ in range(reps):
+            t = time.perf_counter()
+            f = s.fork()
+            fork_ms.append((time.perf_counter() - t) * 1e3)
+            fork_ok &= f.generate(nxt, max_new_tokens=4, stop_ids=[]).result().timings.reused_tokens == len(nxt) - 1
+            f.close()
     got = s.generate(nxt, max_new_tokens=4, stop_ids=[]).result()
     s.close()
     ref = eng.generate(nxt, max_new_tokens=4, stop_ids=[]).result()
@@ -47,7 +57,8 @@ def _run(eng, L: int, reps: int) -> dict:
     return {"prompt_tokens": L, "checkpoints": len(s.checkpoints), "bytes": nbytes,
             "park_ms": round(statistics.median(park_ms), 2), "unpark_ms": round(um, 2),
             "unpark_gbps": round(nbytes / (um * 1e-3) / 1e9, 2), "prefill_ms": round(r.timings.prefill_ms, 1),
-            "reused_after_unpark": got.timings.reused_tokens, "check": got.ids == ref.ids,
+            "fork_ms": round(statistics.median(fork_ms), 2) if fork_ms else None,
+            "reused_after_unpark": got.timings.reused_tokens, "check": got.ids == ref.ids and fork_ok,
             "all_park_ms": [round(x, 2) for x in park_ms], "all_unpark_ms": [round(x, 2) for x in unpark_ms]}
 
 
@@ -64,7 +75,7 @@ def main(argv=None) -> int:
 
     lengths = [int(x) for x in a.lengths.split(",")]
     load0 = os.getloadavg()
-    eng = Engine.load(a.model or a.preset, a.executor, capacity=max(lengths) + 64, slots=1, quiet=True)
+    eng = Engine.load(a.model or a.preset, a.executor, capacity=max(lengths) + 64, slots=2, quiet=True)
     rows = [_run(eng, L, a.reps) for L in lengths]
     ex = eng.executor
     device = cpu_name()
