@@ -138,9 +138,9 @@ class Executor(ABC):
     def step(self, token: int) -> StepOutput: ...
 
     def step_rows(self, tokens: Sequence[int]) -> StepOutput:
-        """Run 1..8 known ids at the position as decode rows (forced tokens of a grammar: ``host.session``);
-        the output of the last row, with the bits one-row steps give it. This default runs one step per id;
-        executors with a multi-row decode pass run them in one."""
+        """Run 1..8 known ids at the position as decode rows and return the last row's output, with the bits
+        one-row steps give it. This default runs one step per id; executors with a multi-row decode pass run
+        them in one."""
         out = None
         for t in tokens:
             out = self.step(int(t))

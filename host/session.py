@@ -203,15 +203,18 @@ class Session:
         last token). Returns the ParkedState (``nbytes``: host memory held). Raises EngineError when the session
         is closed, parked or generating; NotImplementedError when the executor cannot park."""
         self._check_idle()
-        ex = self._ex()
-        parked = ex.park([snap for _, snap in self.checkpoints])
-        self.checkpoints = [(p, None) for p, _ in self.checkpoints]
-        if type(self._last) is not StepOutput:
-            self._last = None
-        self._parked = parked
+        parked = self._ex().park([snap for _, snap in self.checkpoints])
+        self._hold(parked, self)
         self.engine._release_slot(self.slot)
         self.slot = None
         return parked
+
+    def _hold(self, parked: ParkedState, src: "Session") -> None:
+        """Hold ``parked``, ``src``'s state in host memory: ``src``'s checkpoint positions (their snapshots are in
+        ``parked``) and its last output when that is host logits (a GPU output reads device buffers reused later)."""
+        self.checkpoints = [(p, None) for p, _ in src.checkpoints]
+        self._last = src._last if type(src._last) is StepOutput else None
+        self._parked = parked
 
     def unpark(self) -> int:
         """Put a parked session back into a free slot (``Executor.unpark``): it continues bit-identically to a
@@ -243,10 +246,8 @@ class Session:
         child = Session.__new__(Session)
         child._fields(self.engine, None)
         child.ids = list(self.ids)
-        child.checkpoints = [(p, None) for p, _ in self.checkpoints]
         child._outs = dict(self._outs)  # host-side outputs only (``_checkpoint``)
-        child._last = self._last if type(self._last) is StepOutput else None  # a GPU output reads reused buffers
-        child._parked = parked
+        child._hold(parked, self)
         if self.engine._free:
             child.unpark()
         return child

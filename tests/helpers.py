@@ -6,7 +6,8 @@ pieces are in ``tests/gpu/helpers.py``, the tolerance policy in ``tests/toleranc
 * the text layer: one built tokenizer per process (building the tokenizer.json takes ~6 s the first time, loading
   it ~2.5 s), variants for negative controls, and id sequences with non-canonical spellings;
 * scratch checkpoint directories over the cached tiny checkpoint (:func:`checkpoint_dir`);
-* a ``create_app`` app served on a loopback port in a thread, with an ``openai`` client (:func:`serving`).
+* a ``create_app`` app served on a loopback port in a thread, with an ``openai`` client (:func:`serving`);
+* :class:`FakeStream`, a CUDA stream stand-in for the NumPy-backed ``cupy`` fakes.
 """
 from __future__ import annotations
 
@@ -101,6 +102,23 @@ def chunkings(n: int, rng: random.Random) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------------------------------------- the CLI
+class FakeStream:
+    """A CuPy stream stand-in: a context manager whose ``synchronize`` does nothing (``ptr`` 0)."""
+    ptr = 0
+
+    def __init__(self, non_blocking=False):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def synchronize(self):
+        pass
+
+
 def run(args, input=None):
     """The CLI in this process (click's runner: stdout and stderr apart)."""
     return CliRunner().invoke(main, args, input=input)

@@ -23,6 +23,7 @@ from discrete.control import CONTROL_DTYPE
 from discrete.device_state import POISON, DeviceState
 from discrete.gdn import CONV_RING
 from loader.config import FIRST_PADDING_ID, preset
+from tests.helpers import FakeStream
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,20 +40,6 @@ class _Arr(np.ndarray):
     @property
     def data(self):
         return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
-
-
-class _Stream:
-    def __init__(self, non_blocking=False):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def synchronize(self):
-        pass
 
 
 @pytest.fixture
@@ -78,7 +65,7 @@ def fake_cupy(monkeypatch):
     for n in ("uint8", "uint16", "uint32", "int32", "int64", "uint64", "float32"):
         setattr(cp, n, getattr(np, n))
     cp.ndarray = _Arr
-    cp.cuda = types.SimpleNamespace(Stream=_Stream)
+    cp.cuda = types.SimpleNamespace(Stream=FakeStream)
     monkeypatch.setitem(sys.modules, "cupy", cp)
     return cp
 

@@ -19,6 +19,7 @@ import pytest
 
 from discrete.kv_cache import PAGE
 from host.executors import GraphExecutor
+from tests.helpers import FakeStream
 
 L, NKV, HD, CAP = 2, 2, 8, 3 * PAGE
 NOISE = 0x4780
@@ -55,24 +56,11 @@ def fake_cupy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupyx", cupyx)
 
 
-class _Stream:
-    ptr = 0
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def synchronize(self):
-        pass
-
-
 class _Step:
     """What park / unpark touch of a ``discrete.step.DecodeStep`` and its ``DeviceState``."""
 
     def __init__(self, rng):
-        self.stream, self.pos, self.capacity = _Stream(), 0, CAP
+        self.stream, self.pos, self.capacity = FakeStream(), 0, CAP
         shape = (3, L, 2, NKV, PAGE, HD)
         self.kv = types.SimpleNamespace(shape=shape, pool=_dev(rng.integers(0, 65535, shape).astype(np.uint16)),
                                         page_stride=int(np.prod(shape[1:])))
